@@ -1,0 +1,23 @@
+"""megatron_tma: unpadded FP8 grouped GEMMs (TMA-adaptive) for MoE training on Hopper.
+
+Public API (all take device group sizes/offsets; none reads them on the host):
+    quantize_1x128, quantize_128x128, quantize_grouped_128x1     (megatron_tma.quant)
+    m_grouped_fp8_gemm, padded_m_grouped_fp8_gemm               (megatron_tma.gemm)
+The plain-torch numerics oracle is `megatron_tma.reference`; group bookkeeping is `megatron_tma.groups`.
+"""
+from ._ext import cuda_kernels_available, has_extension  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy so that `import megatron_tma` stays cheap and works while sibling modules are being built.
+    if name in ("quantize_1x128", "quantize_128x128", "quantize_grouped_128x1"):
+        from . import quant
+
+        return getattr(quant, name)
+    if name in ("m_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm", "k_grouped_fp8_gemm"):
+        from . import gemm
+
+        return getattr(gemm, name)
+    raise AttributeError(f"module 'megatron_tma' has no attribute {name!r}")

@@ -1,0 +1,40 @@
+"""Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.megatron_tma.*)
+
+    _EXT_ERROR = None
+except ImportError as e:  # pure-Python install, or a build for another torch
+    _C = None
+    _EXT_ERROR = e
+
+
+def has_extension() -> bool:
+    return _C is not None
+
+
+def extension_error():
+    return _EXT_ERROR
+
+
+def is_hopper(device=None) -> bool:
+    if not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return (major, minor) == (9, 0)
+
+
+def cuda_kernels_available(device=None) -> bool:
+    """True when the extension is built and the device is an sm_90 GPU."""
+    return has_extension() and is_hopper(device)
+
+
+def ops():
+    if _C is None:
+        raise RuntimeError(
+            "megatron_tma was installed without its CUDA extension "
+            f"({_EXT_ERROR}); reinstall with a CUDA build of torch and nvcc present "
+            "(pip install --no-build-isolation -e .), or use the reference backend"
+        )
+    return torch.ops.megatron_tma

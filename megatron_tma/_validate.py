@@ -1,0 +1,48 @@
+"""Argument checks shared by the Python API: one wording for every error the user can hit."""
+from typing import Iterable, Optional
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fmt_dtypes(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    t,
+    name: str,
+    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dim: Optional[int] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = True,
+) -> None:
+    """Raise TypeError/ValueError with a message naming `name` and what was expected."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+
+
+def check_same_device(**tensors) -> torch.device:
+    devices = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    first = next(iter(devices.values()))
+    for k, d in devices.items():
+        if d != first:
+            listing = ", ".join(f"{n} on {dv}" for n, dv in devices.items())
+            raise ValueError(f"all tensors must be on one device, got {listing}")
+    return first
+
+
+def check_multiple(value: int, of: int, what: str) -> None:
+    if value % of != 0:
+        raise ValueError(f"{what} must be a multiple of {of}, got {value}")
