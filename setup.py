@@ -59,7 +59,7 @@ if build_cuda:
     sources += sorted(glob.glob(os.path.join("csrc", "instantiations", "*.cu")))
     includes = [os.path.join(ROOT, "csrc", "include"), cutlass_include_dir()]
     nvcc_flags = [
-        "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+        "-O3", "-gencode=arch=compute_90a,code=sm_90a",
         "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
         "-DNDEBUG", "-Xptxas=-v" if os.environ.get("MEGATRON_TMA_PTXAS_V") else "-Xptxas=-O3",
     ]
@@ -68,7 +68,7 @@ if build_cuda:
             "megatron_tma._C",
             sources,
             include_dirs=includes,
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+            extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},  # -std comes from torch
         )
     )
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)

@@ -3,15 +3,10 @@
 // preparation launch and nothing is read on the host (CUDA-graph safe: replays see new sizes).
 #pragma once
 #include <cstdint>
+#include "megatron_tma/common/groups_arg.h"
 
 namespace megatron_tma {
 
-struct GroupsArg {
-  const void* ptr;     // device pointer to sizes[G] or offsets[G+1]
-  int num_groups;      // G
-  int is_int64;        // element width: 0 -> int32, 1 -> int64
-  int is_offsets;      // 0 -> sizes[G], 1 -> offsets[G+1]
-};
 
 __device__ __forceinline__ long long groups_read(const GroupsArg& g, int i) {
   return g.is_int64 ? reinterpret_cast<const long long*>(g.ptr)[i]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Compile every torch-free kernel translation unit under csrc/instantiations for sm_90a with nvcc, print
+# each kernel's registers / stack / spills, and fail on a compile error or on any register spill.
+# Usage: .ci/compile_kernels.sh [PYTHON]   (PYTHON locates the nvidia-cutlass headers)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-python3}
+NVCC=${NVCC:-nvcc}
+CUTLASS_INC=${CUTLASS_INCLUDE_DIR:-$("$PY" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')}
+out=.build-check
+mkdir -p "$out"
+status=0
+for src in csrc/instantiations/*.cu; do
+  name=$(basename "$src" .cu)
+  log="$out/$name.ptxas.txt"
+  if ! "$NVCC" -c -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+       --expt-extended-lambda -Xptxas -v -Icsrc/include -I"$CUTLASS_INC" "$src" -o "$out/$name.o" >"$log" 2>&1; then
+    echo "FAIL  $src"; cat "$log"; status=1; continue
+  fi
+  # one line per kernel: demangled-ish name, registers, stack, spills
+  awk '/Compiling entry function/ {fn=$(NF-2); gsub(/\x27/, "", fn); sub(/^_ZN12megatron_tma/, "", fn)}
+       /bytes stack frame/ {stack=$1; spill_st=$5; spill_ld=$9}
+       /Used [0-9]+ registers/ {for (i=1;i<=NF;i++) if ($i=="Used") regs=$(i+1);
+         printf "  %-60s regs=%-4s stack=%-5s spill_st=%-4s spill_ld=%s\n", substr(fn,1,60), regs, stack, spill_st, spill_ld}' "$log"
+  if grep -Eq "[1-9][0-9]* bytes spill (stores|loads)" "$log"; then
+    echo "FAIL  $src spills registers"; status=1
+  else
+    echo "ok    $src"
+  fi
+done
+exit $status

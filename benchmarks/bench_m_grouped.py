@@ -1,0 +1,180 @@
+"""M-grouped FP8 GEMM benchmark (DESIGN.md §5): ours vs the padded path, the padded GEMM alone,
+torch._scaled_grouped_mm (row-wise), BF16 torch._grouped_mm and one dense cuBLAS FP8 GEMM of equal FLOPs,
+all in one process on the same inputs. Writes benchmarks/results/m_grouped-<stamp>.json and a PNG.
+
+    python benchmarks/bench_m_grouped.py [--quick] [--out DIR]
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from megatron_tma import quant  # noqa: E402
+from megatron_tma.gemm import m_grouped_fp8_gemm  # noqa: E402
+from megatron_tma.groups import make_group_sizes  # noqa: E402
+from megatron_tma.padding import pad_rows_fp8, padded_m_grouped_fp8_gemm  # noqa: E402
+
+# (G, M, N, K): DESIGN.md §5's five rows first, then more of the paper's grid.
+TABLE = [(8, 16384, 4096, 4096), (16, 32768, 7168, 4096), (32, 16384, 3072, 8192), (8, 65536, 6144, 5120),
+         (32, 8192, 4096, 7168)]
+MORE = [(4, 8192, 3072, 3072), (4, 32768, 8192, 8192), (16, 16384, 5120, 6144), (32, 65536, 4096, 7168),
+        (8, 32768, 3072, 6144)]
+DISTS = ("paper", "skewed", "balanced")
+
+
+def rowwise_fp8(x):
+    """Row-wise FP8 (one FP32 scale per row), the recipe torch._scaled_grouped_mm takes."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    scale = amax / 448.0
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def run_config(G, M, N, K, dist, seed, iters):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    sizes = make_group_sizes(M, G, dist, seed)
+    groups = sizes.to(dev)
+    x = torch.randn(M, K, generator=gen, device=dev).bfloat16()
+    w = (torch.randn(G, N, K, generator=gen, device=dev) * 0.05).bfloat16()
+    aq, a_s = quant.quantize_1x128(x)
+    wq, ws, _, _ = quant.quantize_128x128(w)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    row = {"G": G, "M": M, "N": N, "K": K, "dist": dist, "seed": seed,
+           "pad_rows_pct": round(100.0 * (int((-(-sizes // 128) * 128).sum()) - M) / M, 2),
+           "max_group": int(sizes.max()), "empty_groups": int((sizes == 0).sum())}
+    flops = 2.0 * M * N * K
+
+    fns = {}
+    fns["ours"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out)
+    fns["padded_path"] = lambda: padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)
+    a_pad, a_s_pad, pad_off = pad_rows_fp8(aq, a_s, groups, 128, num_groups=G)
+    fns["padded_gemm"] = lambda: m_grouped_fp8_gemm(a_pad, a_s_pad, wq, ws, pad_off)
+    xr, xr_s = rowwise_fp8(x)
+    wr, wr_s = rowwise_fp8(w)                      # [G, N, K] with scales [G, N]
+    wr_t = wr.transpose(-2, -1)                    # [G, K, N], column-major per group
+    offs = torch.cumsum(groups, 0).to(torch.int32)
+    fns["torch_rowwise"] = lambda: torch._scaled_grouped_mm(xr, wr_t, xr_s, wr_s, offs=offs, out_dtype=torch.bfloat16)
+    w_t = w.transpose(-2, -1)
+    fns["bf16"] = lambda: torch._grouped_mm(x, w_t, offs=offs)
+    dense_a = aq
+    dense_b = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=dev).copy_(wq[0]).t()   # [K, N] column-major
+    one = torch.ones((), device=dev)
+    fns["dense_cublas"] = lambda: torch._scaled_mm(dense_a, dense_b, one, one, out_dtype=torch.bfloat16)
+
+    for name, fn in fns.items():
+        try:
+            ms = common.bench(fn, iters=iters)
+            row[f"{name}_ms"] = round(ms, 5)
+            row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
+        except Exception as e:  # a baseline that cannot run here is recorded, not fatal
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    ours = m_grouped_fp8_gemm(aq, a_s, wq, ws, groups).clone()
+    row["bitexact"] = bool(torch.equal(ours, padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)))
+    if "padded_path_ms" in row and "ours_ms" in row:
+        row["speedup_vs_padded_path"] = round(row["padded_path_ms"] / row["ours_ms"], 4)
+        row["speedup_vs_padded_gemm"] = round(row["padded_gemm_ms"] / row["ours_ms"], 4)
+    if "torch_rowwise_ms" in row:
+        row["speedup_vs_torch_rowwise"] = round(row["torch_rowwise_ms"] / row["ours_ms"], 4)
+    if "dense_cublas_ms" in row:
+        row["ratio_vs_dense_cublas"] = round(row["dense_cublas_ms"] / row["ours_ms"], 4)
+    return row
+
+
+def host_overhead_us(calls=1000):
+    """Wall time per call of a tiny problem issued back to back (host-side cost of one call)."""
+    dev = "cuda"
+    G, M, N, K = 8, 256, 256, 128
+    aq, a_s = quant.quantize_1x128(torch.randn(M, K, device=dev).bfloat16())
+    wq, ws, _, _ = quant.quantize_128x128(torch.randn(G, N, K, device=dev).bfloat16())
+    groups = make_group_sizes(M, G, "paper", 0).to(dev)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+    for _ in range(50):
+        m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the five DESIGN rows, paper distribution only")
+    ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
+    args = ap.parse_args()
+    configs = [(c, "paper") for c in TABLE] if args.quick else [(c, d) for c in TABLE + MORE for d in DISTS]
+    ceilings = common.measure_ceilings()
+    print(f"ceilings: {ceilings}", flush=True)
+    rows = []
+    for i, ((G, M, N, K), dist) in enumerate(configs):
+        row = run_config(G, M, N, K, dist, seed=1000 + i, iters=args.iters)
+        rows.append(row)
+        print(f"[{i + 1}/{len(configs)}] G={G} M={M} N={N} K={K} {dist}: ours {row.get('ours_tflops')} TFLOPS, "
+              f"x{row.get('speedup_vs_padded_path')} vs padded path, bitexact={row['bitexact']}", flush=True)
+    summary = {
+        "geomean_vs_padded_path": geomean([r.get("speedup_vs_padded_path") for r in rows]),
+        "min_vs_padded_path": min(r.get("speedup_vs_padded_path", 0) for r in rows),
+        "min_vs_padded_gemm": min(r.get("speedup_vs_padded_gemm", 0) for r in rows),
+        "geomean_vs_torch_rowwise": geomean([r.get("speedup_vs_torch_rowwise") for r in rows]),
+        "median_tflops_m_ge_16384": sorted(r["ours_tflops"] for r in rows if r["M"] >= 16384)[
+            len([r for r in rows if r["M"] >= 16384]) // 2] if any(r["M"] >= 16384 for r in rows) else None,
+        "min_ratio_vs_dense_m65536": min((r.get("ratio_vs_dense_cublas", 0) for r in rows if r["M"] == 65536), default=None),
+        "host_us_per_call": round(host_overhead_us(), 2),
+        "all_bitexact": all(r["bitexact"] for r in rows),
+    }
+    path = common.write_result("m_grouped", rows, ceilings, command="python benchmarks/bench_m_grouped.py"
+                               + (" --quick" if args.quick else ""), extra={"summary": summary}, out_dir=args.out)
+    plot(rows, path.replace(".json", ".png"), args.out)
+    print_table(rows, summary)
+    print(f"wrote {path}")
+
+
+def plot(rows, png, out_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"G{r['G']} M{r['M'] // 1024}k\nN{r['N']} K{r['K']}\n{r['dist']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(10, 0.55 * len(rows)), 5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r.get("speedup_vs_padded_path", 0) for r in rows], 0.4, label="vs padded path")
+    ax.bar([x + 0.2 for x in xs], [r.get("speedup_vs_padded_gemm", 0) for r in rows], 0.4, label="vs padded GEMM alone")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_ylabel("speedup of ours (x)")
+    ax.set_title("Unpadded M-grouped FP8 GEMM on H200 (higher is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    if out_dir:
+        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+
+
+def print_table(rows, summary):
+    cols = ["ours", "padded_path", "padded_gemm", "torch_rowwise", "bf16", "dense_cublas"]
+    print("\nTFLOPS (useful FLOPs 2*M*N*K), median of CUDA-event timings with L2 flush")
+    print(f"{'G':>3} {'M':>6} {'N':>5} {'K':>5} {'dist':>8} {'pad%':>5} " + " ".join(f"{c:>13}" for c in cols) + "  xpad  exact")
+    for r in rows:
+        vals = " ".join(f"{r.get(c + '_tflops', float('nan')):13.1f}" for c in cols)
+        print(f"{r['G']:>3} {r['M']:>6} {r['N']:>5} {r['K']:>5} {r['dist']:>8} {r['pad_rows_pct']:5.1f} {vals}"
+              f"  {r.get('speedup_vs_padded_path', float('nan')):.3f}  {r['bitexact']}")
+    print("summary:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
+
+
+if __name__ == "__main__":
+    main()

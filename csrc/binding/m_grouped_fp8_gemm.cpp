@@ -1,0 +1,73 @@
+// torch binding of the M-grouped FP8 GEMM: checks what the kernel assumes, then launches. The Python
+// wrapper (megatron_tma/gemm.py) gives friendlier errors first; these checks keep the op safe when
+// called directly through torch.ops.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "megatron_tma/host/m_grouped_fp8_gemm.h"
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+megatron_tma::GroupsArg groups_arg(const at::Tensor& groups, int64_t num_groups) {
+  TORCH_CHECK(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous(),
+              "groups must be a contiguous 1-D CUDA tensor");
+  TORCH_CHECK(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong, "groups must be int32 or int64");
+  TORCH_CHECK(groups.numel() == num_groups || groups.numel() == num_groups + 1, "groups must hold G=", num_groups,
+              " sizes or G+1 offsets, got ", groups.numel(), " entries");
+  return {groups.data_ptr(), static_cast<int>(num_groups), groups.scalar_type() == at::kLong ? 1 : 0,
+          groups.numel() == num_groups + 1 ? 1 : 0};
+}
+
+void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
+                            const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out) {
+  TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kFloat8_e4m3fn && a.dim() == 2 && a.is_contiguous(),
+              "a must be a contiguous float8_e4m3fn [M, K] CUDA tensor");
+  TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kFloat8_e4m3fn && b.dim() == 3 && b.is_contiguous(),
+              "b must be a contiguous float8_e4m3fn [G, N, K] CUDA tensor");
+  const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(1);
+  TORCH_CHECK(b.size(2) == K, "b's K (", b.size(2), ") differs from a's K (", K, ")");
+  TORCH_CHECK(K % 128 == 0 && K > 0, "K must be a positive multiple of 128, got ", K);
+  TORCH_CHECK(N % 16 == 0 && N > 0, "N must be a positive multiple of 16, got ", N);
+  TORCH_CHECK(G <= megatron_tma::m_grouped_fp8_gemm_max_groups(), "at most ",
+              megatron_tma::m_grouped_fp8_gemm_max_groups(), " groups are supported, got ", G);
+  TORCH_CHECK(a_scales.is_cuda() && a_scales.scalar_type() == at::kFloat && a_scales.dim() == 2 &&
+                  a_scales.size(0) == M && a_scales.size(1) == K / 128 && (a_scales.stride(0) == 1 || M <= 1) &&
+                  a_scales.stride(1) >= M && a_scales.stride(1) % 4 == 0 && aligned16(a_scales),
+              "a_scales must be the [M, K/128] M-contiguous FP32 view from quantize_1x128");
+  TORCH_CHECK(b_scales.is_cuda() && b_scales.scalar_type() == at::kFloat && b_scales.is_contiguous() &&
+                  b_scales.dim() == 3 && b_scales.size(0) == G && b_scales.size(1) == (N + 127) / 128 &&
+                  b_scales.size(2) == K / 128,
+              "b_scales must be a contiguous FP32 [G, ceil(N/128), K/128] tensor");
+  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == M &&
+                  out.size(1) == N && out.stride(1) == 1 && out.stride(0) % 8 == 0 && aligned16(out),
+              "out must be a BF16 [M, N] tensor with unit column stride and 16-byte aligned rows");
+  TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
+  c10::cuda::CUDAGuard guard(a.device());
+  megatron_tma::MGroupedGemmArgs args{};
+  args.a = a.data_ptr();
+  args.a_scales = a_scales.data_ptr<float>();
+  args.a_scales_ld = static_cast<int>(a_scales.stride(1));
+  args.b = b.data_ptr();
+  args.b_scales = b_scales.data_ptr<float>();
+  args.d = out.data_ptr();
+  args.d_ld = static_cast<int>(out.stride(0));
+  args.m_total = static_cast<int>(M);
+  args.n = static_cast<int>(N);
+  args.k = static_cast<int>(K);
+  args.groups = groups_arg(groups, G);
+  const cudaError_t err = megatron_tma::m_grouped_fp8_gemm(args, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "m_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
+  m.def(
+      "m_grouped_fp8_gemm_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor groups, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("m_grouped_fp8_gemm_out", &m_grouped_fp8_gemm_out); }

@@ -1,0 +1,50 @@
+// The producer/consumer ring shared by the grouped GEMM kernels: STAGES shared-memory slots, each with a
+// "full" mbarrier (one producer arrival + TMA transaction bytes) and an "empty" mbarrier (one arrival per
+// consumer warp). Both sides walk the ring with the same (stage, phase) state.
+#pragma once
+#include <cstdint>
+#include "megatron_tma/common/mbarrier.cuh"
+
+namespace megatron_tma {
+
+template <int STAGES>
+struct PipelineState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) stage = 0, phase ^= 1;
+  }
+};
+
+template <int STAGES>
+struct Pipeline {
+  uint64_t* full;   // [STAGES]
+  uint64_t* empty;  // [STAGES]
+
+  // One thread, before any use; consumer_warps arrivals release a slot.
+  __device__ __forceinline__ void init(int consumer_warps) const {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], consumer_warps);
+    }
+    mbar_fence_init();
+  }
+  // Producer: wait for a free slot, announce the bytes its TMA loads will deliver.
+  __device__ __forceinline__ uint64_t* producer_acquire(const PipelineState<STAGES>& st, uint32_t tx_bytes) const {
+    mbar_wait(&empty[st.stage], st.phase ^ 1);  // a fresh barrier's "previous" phase counts as complete
+    mbar_arrive_expect_tx(&full[st.stage], tx_bytes);
+    return &full[st.stage];
+  }
+  // Consumer: wait until the slot's loads have landed.
+  __device__ __forceinline__ void consumer_wait(const PipelineState<STAGES>& st) const {
+    mbar_wait(&full[st.stage], st.phase);
+  }
+  // Consumer warp: hand the slot back once every read of it (wgmma included) is complete.
+  __device__ __forceinline__ void consumer_release(const PipelineState<STAGES>& st, int lane) const {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[st.stage]);
+  }
+};
+
+}  // namespace megatron_tma

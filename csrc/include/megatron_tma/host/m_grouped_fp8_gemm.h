@@ -1,0 +1,27 @@
+// Torch-free host entry point of the M-grouped FP8 GEMM (csrc/instantiations/m_grouped_fp8_gemm.cu).
+#pragma once
+#include <cuda_runtime.h>
+#include "megatron_tma/common/groups_arg.h"
+
+namespace megatron_tma {
+
+struct MGroupedGemmArgs {
+  const void* a;          // e4m3 [m_total, k], row-major, 16 B aligned
+  const float* a_scales;  // fp32 storage [k/128, a_scales_ld] (M contiguous): scale of row m, block kb at [kb*ld + m]
+  int a_scales_ld;        // >= m_total, multiple of 4
+  const void* b;          // e4m3 [num_groups, n, k]
+  const float* b_scales;  // fp32 [num_groups, ceil(n/128), k/128]
+  void* d;                // bf16 [m_total, n] with row stride d_ld (elements)
+  int d_ld;
+  int m_total, n, k;
+  GroupsArg groups;       // device sizes [G] or offsets [G+1]
+};
+
+// Validates geometry it can see (returns cudaErrorInvalidValue with nothing launched) and launches on `stream`.
+// No host synchronisation, no device reads: safe under CUDA-graph capture.
+cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream);
+
+// Largest G the kernel accepts (group offsets live in shared memory).
+int m_grouped_fp8_gemm_max_groups();
+
+}  // namespace megatron_tma

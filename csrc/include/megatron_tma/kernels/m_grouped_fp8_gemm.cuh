@@ -1,0 +1,177 @@
+// M-grouped FP8 GEMM without padding: D[rows of group g] = A[rows of g] . B[g]^T, BF16 out.
+//
+// Forward (B = W [G, N, K]) and dgrad (B = W^T [G, K, N]) are the same kernel. Numerics (DESIGN.md §3):
+// per 128-wide K block the tensor cores form the FP8 partial sum p in a zeroed FP32 fragment (four
+// m64n{BLOCK_N}k32 wgmma), then the CUDA cores promote acc = fma(sa * sb, p, acc); BF16 RNE at the end.
+// Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
+//
+// Structure: persistent grid; warpgroup 0 = one TMA producer thread (registers given away with
+// setmaxnreg), warpgroups 1-2 = math, each owning 64 rows of the 128-row tile. A STAGES-deep mbarrier
+// ring of 128B-swizzled A/B tiles plus the tile's 128 A scales (loaded by TMA from the group's real first
+// row: TMA coordinates need no alignment, so no over-fetch is needed for the scales).
+// Beyond the paper: only real tiles are scheduled, and a math warpgroup whose 64 rows hold no valid row
+// skips its wgmma, promotion and epilogue (it only releases the pipeline stages).
+// Output: the paper's descriptor pool and two-phase residual store (common/residual_store.cuh), per warpgroup.
+#pragma once
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "megatron_tma/common/groups.cuh"
+#include "megatron_tma/common/mbarrier.cuh"
+#include "megatron_tma/common/pipeline.cuh"
+#include "megatron_tma/common/promotion.cuh"
+#include "megatron_tma/common/residual_store.cuh"
+#include "megatron_tma/common/tma.cuh"
+#include "megatron_tma/common/wgmma.cuh"
+#include "megatron_tma/scheduler/m_grouped_scheduler.cuh"
+
+namespace megatron_tma {
+
+constexpr int kStorePoolSize = 7;  // box heights 1, 2, ..., 64 rows (one math warpgroup's half tile)
+
+struct MGroupedGemmParams {
+  CUtensorMap a;                        // e4m3 [M_total, K]: dims (K, M_total), box (128, 128), SW128
+  CUtensorMap b;                        // e4m3 [G, N, K]: dims (K, N, G), box (128, BLOCK_N, 1), SW128
+  CUtensorMap a_scales;                 // fp32 storage [K/128, ld]: dims (M_total, K/128), box (128, 1)
+  CUtensorMap d_pool[kStorePoolSize];   // bf16 [M_total, N]: dims (N, M_total), box (64, 2^k), SW128
+  const float* b_scales;                // fp32 [G, ceil(N/128), K/128]
+  GroupsArg groups;
+  int m_total, n, k;
+};
+
+template <int BLOCK_N_, int STAGES_>
+struct MGroupedGemmConfig {
+  static constexpr int BLOCK_M = 128, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
+  static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;
+  static constexpr int A_BYTES = BLOCK_M * BLOCK_K;  // e4m3
+  static constexpr int B_BYTES = BLOCK_N * BLOCK_K;
+  static constexpr int SA_BYTES = BLOCK_M * 4;
+  static constexpr int D_HALVES = BLOCK_N / 64;      // 128-byte column chunks of the BF16 tile
+  static constexpr int D_BYTES = BLOCK_M * BLOCK_N * 2;
+  // shared memory map (offsets from a 1024-aligned base)
+  static constexpr int OFF_A = 0;
+  static constexpr int OFF_B = OFF_A + STAGES * A_BYTES;
+  static constexpr int OFF_D = OFF_B + STAGES * B_BYTES;
+  static constexpr int OFF_SA = OFF_D + D_BYTES;
+  static constexpr int OFF_BAR = OFF_SA + STAGES * SA_BYTES;
+  static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
+  static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
+  static constexpr int kMaxGroups = 2048;
+  static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
+  static_assert(BLOCK_N == 128, "the promotion reads one 128x128 B scale per K block");
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(const __grid_constant__ MGroupedGemmParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_BAR);
+  uint64_t* empty_bar = full_bar + Cfg::STAGES;
+  int* scratch = reinterpret_cast<int*>(smem + Cfg::OFF_SCRATCH);
+  const int G = p.groups.num_groups;
+  int* row_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
+  int* mtile_off = row_off + G + 1;
+
+  const Pipeline<Cfg::STAGES> pipe{full_bar, empty_bar};
+  if (threadIdx.x == 0) {
+    pipe.init(Cfg::kMathWarpgroups * 4);  // one release per math warp
+    tma_prefetch_descriptor(&p.a);
+    tma_prefetch_descriptor(&p.b);
+    tma_prefetch_descriptor(&p.a_scales);
+  }
+  // Group offsets and row-tile offsets, built by this CTA from the device tensor (no prep launch).
+  block_exclusive_scan(G, [&](int i) { return groups_size(p.groups, i); }, row_off, p.m_total, scratch);
+  block_exclusive_scan(
+      G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M; }, mtile_off,
+      0x7fffffff, scratch);
+
+  const int num_kb = p.k / Cfg::BLOCK_K;
+  MGroupedScheduler<Cfg::BLOCK_M> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
+  const int num_tiles = sched.num_tiles();
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      PipelineState<Cfg::STAGES> st;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const MTile tile = sched.get(t);
+        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+          uint64_t* bar = pipe.producer_acquire(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
+          tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
+          tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
+                      tile.n_block * Cfg::BLOCK_N, tile.group);
+          tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES, tile.row_start, kb);
+        }
+      }
+    }
+  } else {
+    // ---------------------------------------------------------------- math
+    setmaxnreg_inc<Cfg::kMathRegs>();
+    const int mwg = warpgroup - 1;  // rows [64*mwg, 64*mwg + 64) of the tile
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int r0 = 16 * warp + lane / 4;  // this thread's fragment rows: r0 and r0 + 8 (within the half)
+    const int n_b128 = (p.n + 127) / 128;
+    using Mma = WgmmaFp8<Cfg::BLOCK_N>;
+    float acc[Mma::kRegs], part[Mma::kRegs];
+    PipelineState<Cfg::STAGES> st;
+
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const MTile tile = sched.get(t);
+      const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
+      const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + tile.n_block) * num_kb;
+#pragma unroll
+      for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
+
+      for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+        pipe.consumer_wait(st);
+        if (active) {
+          const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES) + 64 * mwg;
+          const float sb = __ldg(bs + kb);
+          const float sa0 = sa[r0], sa1 = sa[r0 + 8];
+          mma_block_k128<Mma>(make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128),
+                              make_kmajor_sw128_desc(smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES), part);
+          pipe.consumer_release(st, lane);
+          promote_row_scaled(acc, part, sa0, sa1, sb);
+        } else {
+          pipe.consumer_release(st, lane);
+        }
+      }
+
+      if (!active) continue;
+      // ---------------------------------------------------------------- epilogue
+      // The previous tile's stores must have finished reading this warpgroup's rows of the D tile.
+      if (tid == 0) tma_store_wait_read<0>();
+      named_barrier_sync(1 + mwg, 128);
+      uint8_t* d_tile = smem + Cfg::OFF_D;
+#pragma unroll
+      for (int j = 0; j < Cfg::BLOCK_N / 8; ++j) {
+        const int half = j / 8, chunk = j % 8;
+        uint8_t* base = d_tile + half * (Cfg::BLOCK_M * 128);
+        const int row_a = 64 * mwg + r0, row_b = row_a + 8;
+        __nv_bfloat162 va = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+        __nv_bfloat162 vb = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        *reinterpret_cast<__nv_bfloat162*>(base + sw128_offset(row_a, chunk) + 4 * (lane % 4)) = va;
+        *reinterpret_cast<__nv_bfloat162*>(base + sw128_offset(row_b, chunk) + 4 * (lane % 4)) = vb;
+      }
+      fence_proxy_async_smem();
+      named_barrier_sync(1 + mwg, 128);
+      if (tid == 0) {
+        const int rows = min(64, tile.rows - 64 * mwg);
+        const int row0 = tile.row_start + 64 * mwg;
+#pragma unroll
+        for (int half = 0; half < Cfg::D_HALVES; ++half) {
+          const int col = tile.n_block * Cfg::BLOCK_N + 64 * half;
+          if (col < p.n)
+            residual_store_2d(p.d_pool, d_tile + half * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, rows, col, row0);
+        }
+        tma_store_commit();
+      }
+    }
+    if (tid == 0) tma_store_wait_all();
+  }
+}
+
+}  // namespace megatron_tma

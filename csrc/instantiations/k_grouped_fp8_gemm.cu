@@ -1,0 +1,67 @@
+// Host launcher and instantiation of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh).
+#include "megatron_tma/host/k_grouped_fp8_gemm.h"
+#include "megatron_tma/kernels/k_grouped_fp8_gemm.cuh"
+
+namespace megatron_tma {
+namespace {
+using Config = KGroupedGemmConfig</*STAGES=*/6>;
+
+cudaError_t encode_token_major(CUtensorMap* map, const void* base, int m_total, int rows, int pitch) {
+  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)rows};
+  const uint64_t strides[1] = {(uint64_t)pitch};
+  const uint32_t box[2] = {128, 128};
+  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, int rows) {
+  const uint64_t dims[2] = {(uint64_t)cols, (uint64_t)rows};
+  const uint64_t strides[1] = {(uint64_t)cols * 4};
+  const uint32_t box[2] = {128, 1};
+  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+}  // namespace
+
+int k_grouped_fp8_gemm_max_groups() { return Config::kMaxGroups; }
+
+cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream) {
+  const int G = args.groups.num_groups;
+  if (G < 1 || G > Config::kMaxGroups || args.n <= 0 || args.n % 16 != 0 || args.k <= 0 || args.k % 16 != 0 ||
+      args.m_total <= 0 || args.pitch < args.m_total || args.pitch % 16 != 0 ||
+      (args.accumulate && args.out_bf16))
+    return cudaErrorInvalidValue;
+  KGroupedGemmParams p{};
+  cudaError_t err;
+  // (m_total == 0 is the caller's: the output is zeros or C, and TMA cannot describe an empty tensor.)
+  if ((err = encode_token_major(&p.a, args.a, args.m_total, args.n, args.pitch)) != cudaSuccess) return err;
+  if ((err = encode_token_major(&p.b, args.b, args.m_total, args.k, args.pitch)) != cudaSuccess) return err;
+  if ((err = encode_block_scales(&p.a_scales, args.a_scales, args.n, args.num_blocks_max)) != cudaSuccess) return err;
+  if ((err = encode_block_scales(&p.b_scales, args.b_scales, args.k, args.num_blocks_max)) != cudaSuccess) return err;
+  p.d = args.d;
+  p.groups = args.groups;
+  p.m_total = args.m_total;
+  p.n = args.n;
+  p.k = args.k;
+  p.accumulate = args.accumulate;
+  p.out_bf16 = args.out_bf16;
+
+  auto kernel = k_grouped_fp8_gemm_kernel<Config>;
+  const size_t smem = Config::smem_bytes(G);
+  static size_t smem_set = 0;
+  if (smem > smem_set) {
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
+      return err;
+    smem_set = smem;
+  }
+  static const int num_sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+  }();
+  const long long tiles = static_cast<long long>(G) * ((args.n + 127) / 128) * ((args.k + 127) / 128);
+  const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
+  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace megatron_tma

@@ -1,0 +1,86 @@
+// Host launcher and instantiation of the M-grouped FP8 GEMM kernel (kernels/m_grouped_fp8_gemm.cuh).
+#include "megatron_tma/host/m_grouped_fp8_gemm.h"
+#include "megatron_tma/kernels/m_grouped_fp8_gemm.cuh"
+
+namespace megatron_tma {
+namespace {
+
+using Config = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
+
+int sm_count() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n;
+}
+
+}  // namespace
+
+int m_grouped_fp8_gemm_max_groups() { return Config::kMaxGroups; }
+
+cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
+  const int G = args.groups.num_groups;
+  if (args.k <= 0 || args.k % Config::BLOCK_K != 0 || args.n <= 0 || args.n % 16 != 0 || G < 1 ||
+      G > Config::kMaxGroups || args.m_total < 0 || args.a_scales_ld < args.m_total || args.a_scales_ld % 4 != 0 ||
+      args.d_ld < args.n || args.d_ld % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (args.m_total == 0) return cudaSuccess;  // nothing to write
+
+  MGroupedGemmParams p{};
+  cudaError_t err;
+  {
+    const uint64_t dims[2] = {(uint64_t)args.k, (uint64_t)args.m_total};
+    const uint64_t strides[1] = {(uint64_t)args.k};
+    const uint32_t box[2] = {Config::BLOCK_K, Config::BLOCK_M};
+    if ((err = encode_tma(&p.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, args.a, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
+      return err;
+  }
+  {
+    const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
+    const uint64_t strides[2] = {(uint64_t)args.k, (uint64_t)args.n * args.k};
+    const uint32_t box[3] = {Config::BLOCK_K, Config::BLOCK_N, 1};
+    if ((err = encode_tma(&p.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, args.b, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
+      return err;
+  }
+  {
+    const uint64_t dims[2] = {(uint64_t)args.m_total, (uint64_t)(args.k / 128)};
+    const uint64_t strides[1] = {(uint64_t)args.a_scales_ld * 4};
+    const uint32_t box[2] = {Config::BLOCK_M, 1};
+    if ((err = encode_tma(&p.a_scales, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, args.a_scales, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_NONE)) != cudaSuccess)
+      return err;
+  }
+  for (int k = 0; k < kStorePoolSize; ++k) {
+    const uint64_t dims[2] = {(uint64_t)args.n, (uint64_t)args.m_total};
+    const uint64_t strides[1] = {(uint64_t)args.d_ld * 2};
+    const uint32_t box[2] = {64, 1u << k};
+    if ((err = encode_tma(&p.d_pool[k], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, args.d, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
+      return err;
+  }
+  p.b_scales = args.b_scales;
+  p.groups = args.groups;
+  p.m_total = args.m_total;
+  p.n = args.n;
+  p.k = args.k;
+
+  auto kernel = m_grouped_fp8_gemm_kernel<Config>;
+  const size_t smem = Config::smem_bytes(G);
+  static size_t smem_set = 0;  // raise the dynamic shared-memory limit once per size seen
+  if (smem > smem_set) {
+    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
+      return err;
+    smem_set = smem;
+  }
+  static const int num_sms = sm_count();
+  // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles.
+  const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
+  const long long max_tiles = (static_cast<long long>(args.m_total) / Config::BLOCK_M + G) * n_blocks;
+  const int grid = static_cast<int>(max_tiles < num_sms ? max_tiles : num_sms);
+  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace megatron_tma

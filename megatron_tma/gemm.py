@@ -1,0 +1,195 @@
+"""FP8 grouped GEMMs without padding (DESIGN.md §2-§4).
+
+`m_grouped_fp8_gemm` runs forward (`b` = W `[G, N, K]`) and dgrad (`b` = the W^T copy `[G, K, N]`) with the
+same call: rows of `a` are split into G groups of any size (0 included) by a device tensor of sizes or
+offsets that is never read on the host. On a Hopper GPU with the extension built it runs the TMA-adaptive
+kernel (csrc/include/megatron_tma/kernels/m_grouped_fp8_gemm.cuh); elsewhere the plain-torch oracle of
+`megatron_tma.reference` (same numerics contract, not bit-identical to tensor cores).
+"""
+from typing import Optional
+
+import torch
+
+from . import _ext
+from ._validate import FP8, check_same_device, check_tensor
+from .groups import normalize_groups
+
+__all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm"]
+
+
+def _use_cuda(backend: str, device: torch.device) -> bool:
+    if backend == "reference":
+        return False
+    if backend not in ("auto", "cuda"):
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    ok = device.type == "cuda" and _ext.cuda_kernels_available(device)
+    if backend == "cuda" and not ok:
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        _ext.ops()  # raises the "extension not built" error if that is the cause
+        raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
+    return ok
+
+
+def _check_m_grouped_args(a, a_scales, b, b_scales):
+    check_tensor(a, "a", (FP8,), dim=2)
+    check_tensor(b, "b", (FP8,), dim=3)
+    check_tensor(b_scales, "b_scales", (torch.float32,), dim=3)
+    check_tensor(a_scales, "a_scales", (torch.float32,), dim=2, contiguous=False)
+    m, k = a.shape
+    g, n, kb = b.shape
+    if kb != k:
+        raise ValueError(f"a is [M, K] = {list(a.shape)} but b is [G, N, K] = {list(b.shape)}: K differs")
+    if k == 0 or k % 128 != 0:
+        raise ValueError(f"K must be a positive multiple of 128 (the FP8 scaling block), got K={k}")
+    if n == 0 or n % 16 != 0:
+        raise ValueError(f"N must be a positive multiple of 16, got N={n}")
+    if g < 1:
+        raise ValueError("b must hold at least one group (G >= 1)")
+    if tuple(a_scales.shape) != (m, k // 128):
+        raise ValueError(f"a_scales must be [M, K/128] = {[m, k // 128]}, got {list(a_scales.shape)}")
+    if m > 1 and a_scales.stride(0) != 1:
+        raise ValueError(
+            "a_scales must be the M-contiguous view returned by quantize_1x128 (stride (1, ld)), "
+            f"got strides {a_scales.stride()}"
+        )
+    if k // 128 > 1 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
+        raise ValueError(f"a_scales' row pitch must be >= M and a multiple of 4, got {a_scales.stride(1)}")
+    if tuple(b_scales.shape) != (g, (n + 127) // 128, k // 128):
+        raise ValueError(
+            f"b_scales must be [G, ceil(N/128), K/128] = {[g, (n + 127) // 128, k // 128]}, got {list(b_scales.shape)}"
+        )
+    return m, n, k, g
+
+
+def m_grouped_fp8_gemm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    groups: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`out[rows of g] = (a[rows of g] * sa) . (b[g] * sb)^T` in BF16, for every group g.
+
+    a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
+    b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
+    out: optional BF16 `[M, N]` (unit column stride; may be a row slice of a larger buffer). Rows are written
+    only inside groups; nothing outside `out` is touched.
+    """
+    m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
+    device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales, groups=groups, out=out)
+    groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
+    if out is not None:
+        check_tensor(out, "out", (torch.bfloat16,), dim=2, contiguous=False)
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
+        if out.stride(1) != 1 or (m > 1 and out.stride(0) % 8 != 0):
+            raise ValueError(f"out needs unit column stride and a row pitch that is a multiple of 8, got {out.stride()}")
+    if _use_cuda(backend, device):
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out)
+        return out
+    from . import reference
+
+    result = reference.m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=None, align: int = 128):
+    """The padded baseline and bit-exactness oracle: pad each group to `align` rows, same GEMM, un-pad."""
+    from .padding import padded_m_grouped_fp8_gemm as _padded
+
+    return _padded(a, a_scales, b, b_scales, groups, out=out, align=align)
+
+
+if _ext.has_extension():
+
+    @torch.library.register_fake("megatron_tma::m_grouped_fp8_gemm_out")
+    def _(a, a_scales, b, b_scales, groups, out):  # mutates `out` only
+        return None
+
+
+def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales):
+    for t, name in ((dy_t, "dy_t"), (x_t, "x_t")):
+        check_tensor(t, name, (FP8,), dim=2, contiguous=False)
+        if t.stride(1) != 1 or (t.shape[1] > 0 and (t.stride(0) % 16 != 0 or not t.shape[1] <= t.stride(0) <= t.shape[1] + 15)):
+            raise ValueError(
+                f"{name} must be the token-contiguous [rows, M_total] view from quantize_grouped_128x1 "
+                f"(row pitch in [M_total, M_total + 15], a multiple of 16), got strides {t.stride()}"
+            )
+    n, m = dy_t.shape
+    k, m2 = x_t.shape
+    if m2 != m:
+        raise ValueError(f"dy_t covers {m} tokens but x_t covers {m2}")
+    if n == 0 or n % 16 != 0 or k == 0 or k % 16 != 0:
+        raise ValueError(f"N and K must be positive multiples of 16, got N={n}, K={k}")
+    check_tensor(dy_t_scales, "dy_t_scales", (torch.float32,), dim=2)
+    check_tensor(x_t_scales, "x_t_scales", (torch.float32,), dim=2)
+    g = dy_t_scales.shape[0] - m // 128
+    if g < 1:
+        raise ValueError(f"dy_t_scales must have M_total // 128 + G rows, got {dy_t_scales.shape[0]} for M_total={m}")
+    if tuple(dy_t_scales.shape) != (m // 128 + g, n) or tuple(x_t_scales.shape) != (m // 128 + g, k):
+        raise ValueError(
+            f"token-block scales must be [M_total // 128 + G, N] and [M_total // 128 + G, K]; got "
+            f"{list(dy_t_scales.shape)} and {list(x_t_scales.shape)}"
+        )
+    return m, n, k, g
+
+
+def k_grouped_fp8_gemm(
+    dy_t: torch.Tensor,
+    dy_t_scales: torch.Tensor,
+    x_t: torch.Tensor,
+    x_t_scales: torch.Tensor,
+    groups: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Weight gradient `out[g] = dY_g^T . X_g` over each group's own tokens (any count, 0 included).
+
+    dy_t / x_t: the token-contiguous `[N, M]` / `[K, M]` operands of `quantize_grouped_128x1`, with their
+    `[M // 128 + G, N]` / `[M // 128 + G, K]` token-block scales (G is read off the scale shapes).
+    accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty
+    group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype.
+    """
+    m, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales)
+    device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales, groups=groups, out=out)
+    groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs the FP32 buffer to accumulate into as `out`")
+        out = torch.empty((g, n, k), dtype=out_dtype, device=device)
+    else:
+        check_tensor(out, "out", (torch.float32, torch.bfloat16), dim=3)
+        if tuple(out.shape) != (g, n, k):
+            raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
+        if accumulate and out.dtype != torch.float32:
+            raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
+    if _use_cuda(backend, device):
+        _ext.ops().k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate)
+        return out
+    from . import reference
+
+    result = reference.k_grouped_fp8_gemm(
+        dy_t, dy_t_scales, x_t, x_t_scales, groups, out=out if accumulate else None, accumulate=accumulate
+    )
+    if result is not out:
+        out.copy_(result)
+    return out
+
+
+if _ext.has_extension():
+
+    @torch.library.register_fake("megatron_tma::k_grouped_fp8_gemm_out")
+    def _(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate):  # mutates `out` only
+        return None

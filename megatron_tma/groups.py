@@ -1,0 +1,288 @@
+"""Group bookkeeping: the one description of how the rows of an activation matrix split into G groups.
+
+A grouping is a single int32/int64 tensor on the data's device, either the sizes ``[G]`` or the offsets
+``[G+1]`` (``offsets[0] == 0``, ``offsets[G] == M_total``). The kernels read it on the device and build
+offsets per CTA (``csrc/include/megatron_tma/common/groups.cuh``), so nothing here reads a device
+tensor on the host:
+
+* ``normalize_groups`` checks dtype/rank/length/device from metadata only. Values are validated for
+  free when the tensor lives on the CPU; a device tensor is validated only with debug checks on
+  (``set_debug_checks(True)`` or ``MEGATRON_TMA_DEBUG_CHECKS=1``), because that costs a host sync and
+  breaks CUDA-graph capture. Without them, malformed device groups (negative sizes, sizes that do not
+  sum to M_total, decreasing offsets) are clamped by the kernels -- negative sizes count as 0 and
+  totals are capped at M_total -- so memory stays safe, but the results are undefined.
+* ``sizes_to_offsets``, ``offsets_to_sizes``, ``padded_sizes``, ``token_block_counts``,
+  ``token_block_offsets`` are tensor ops on the same device (no sync, capturable; they also work on
+  ``meta`` tensors, which is how the tests prove they never read values).
+* The functions that do read values say so in their names or docstrings: ``check_groups_values``,
+  ``host_group_sizes`` (oracle and tests), ``tile_map`` (reference tile list for tests) and
+  ``make_group_sizes`` (benchmark/test generator, CPU only).
+"""
+import os
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+GROUP_DTYPES = (torch.int32, torch.int64)
+DISTRIBUTIONS = ("paper", "skewed", "balanced", "one_group", "with_empty")
+DEBUG_ENV = "MEGATRON_TMA_DEBUG_CHECKS"
+
+_debug_override: Optional[bool] = None
+
+
+def set_debug_checks(enabled: Optional[bool]) -> None:
+    """Turn host-side validation of device group tensors on/off (None: follow $MEGATRON_TMA_DEBUG_CHECKS).
+
+    With it on, every call that takes groups copies them to the host (a device sync) and raises on
+    malformed values; do not leave it on in training or under CUDA-graph capture.
+    """
+    global _debug_override
+    _debug_override = None if enabled is None else bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    if _debug_override is not None:
+        return _debug_override
+    return os.environ.get(DEBUG_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" (no index) means the current device; data tensors always carry an index.
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def normalize_groups(
+    groups,
+    num_groups: Optional[int] = None,
+    m_total: Optional[int] = None,
+    *,
+    device: Optional[Union[torch.device, str]] = None,
+    name: str = "groups",
+) -> Tuple[torch.Tensor, bool]:
+    """Check a group description and say whether it holds offsets; returns ``(contiguous tensor, is_offsets)``.
+
+    ``num_groups`` disambiguates: a tensor of G entries holds sizes, G+1 entries offsets. Without it the
+    tensor is taken as sizes (so offsets need ``num_groups``). ``device`` is the data's device, which
+    the groups must share. ``m_total`` (the data's row count) is only used by the value checks.
+    The dtype is kept (the kernels read int32 and int64 alike); no copy unless the tensor is strided.
+    """
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of group sizes [G] or offsets [G+1] (int32 or int64), "
+            f"got {type(groups).__name__}"
+        )
+    if groups.dtype not in GROUP_DTYPES:
+        raise TypeError(f"{name} must have dtype int32 or int64, got {str(groups.dtype).replace('torch.', '')}")
+    if groups.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (sizes [G] or offsets [G+1]), got shape {tuple(groups.shape)}")
+    if device is not None and not _same_device(groups.device, torch.device(device)):
+        raise ValueError(f"{name} must be on the data's device {torch.device(device)}, got {groups.device}")
+    length = groups.numel()
+    if num_groups is None:
+        if length == 0:
+            raise ValueError(f"{name} is empty: expected G >= 1 group sizes")
+        is_offsets = False
+    else:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        if length == num_groups:
+            is_offsets = False
+        elif length == num_groups + 1:
+            is_offsets = True
+        else:
+            raise ValueError(
+                f"{name} has {length} entries: expected G sizes or G+1 offsets with G={num_groups}"
+            )
+    groups = groups.contiguous()
+    if groups.device.type == "cpu" or debug_checks_enabled():
+        check_groups_values(groups, is_offsets, m_total, name=name)
+    return groups, is_offsets
+
+
+def _quote(pairs: List[Tuple[int, int]], what: str, limit: int = 4) -> str:
+    text = ", ".join(f"{what}[{i}]={v}" for i, v in pairs[:limit])
+    return text + (f" (and {len(pairs) - limit} more)" if len(pairs) > limit else "")
+
+
+def check_groups_values(groups: torch.Tensor, is_offsets: bool, m_total: Optional[int] = None, *, name="groups"):
+    """Validate the values of a group tensor. READS IT ON THE HOST (a sync for device tensors)."""
+    vals = groups.detach().cpu().tolist()
+    if is_offsets:
+        if vals[0] != 0:
+            raise ValueError(f"{name}: offsets must start at 0, got offsets[0]={vals[0]}")
+        bad = [(i, vals[i], vals[i + 1]) for i in range(len(vals) - 1) if vals[i + 1] < vals[i]]
+        if bad:
+            i, a, b = bad[0]
+            raise ValueError(
+                f"{name}: offsets must be non-decreasing, got offsets[{i}]={a} > offsets[{i + 1}]={b}"
+                + (f" ({len(bad)} decreasing steps in all)" if len(bad) > 1 else "")
+            )
+        if m_total is not None and vals[-1] != m_total:
+            raise ValueError(
+                f"{name}: offsets must end at M_total={m_total} (rows of the data), "
+                f"got offsets[{len(vals) - 1}]={vals[-1]}"
+            )
+    else:
+        neg = [(i, v) for i, v in enumerate(vals) if v < 0]
+        if neg:
+            raise ValueError(f"{name}: group sizes must be >= 0, got negative {_quote(neg, 'sizes')}")
+        if m_total is not None and sum(vals) != m_total:
+            raise ValueError(
+                f"{name}: group sizes sum to {sum(vals)}, but the data has M_total={m_total} rows"
+            )
+
+
+def host_group_sizes(
+    groups,
+    num_groups: Optional[int] = None,
+    m_total: Optional[int] = None,
+    *,
+    device: Optional[Union[torch.device, str]] = None,
+    name: str = "groups",
+) -> List[int]:
+    """Validated group sizes as a Python list. READS ON THE HOST: for the reference and tests only."""
+    t, is_offsets = normalize_groups(groups, num_groups, m_total, device=device, name=name)
+    if t.device.type != "cpu" and not debug_checks_enabled():  # normalize skipped the values
+        check_groups_values(t, is_offsets, m_total, name=name)
+    vals = t.cpu().tolist()
+    return [vals[i + 1] - vals[i] for i in range(len(vals) - 1)] if is_offsets else vals
+
+
+def sizes_to_offsets(sizes: torch.Tensor) -> torch.Tensor:
+    """int32 offsets [G+1] (leading 0) on the sizes' device; no host read."""
+    out = torch.zeros(sizes.numel() + 1, dtype=torch.int32, device=sizes.device)
+    torch.cumsum(sizes, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def offsets_to_sizes(offsets: torch.Tensor) -> torch.Tensor:
+    """Sizes [G] from offsets [G+1], same dtype and device; no host read."""
+    return offsets[1:] - offsets[:-1]
+
+
+def group_sizes(groups: torch.Tensor, is_offsets: bool) -> torch.Tensor:
+    """Sizes [G] from a normalized group tensor (either form); no host read."""
+    return offsets_to_sizes(groups) if is_offsets else groups
+
+
+def padded_sizes(sizes: torch.Tensor, align: int) -> torch.Tensor:
+    """Each size rounded up to a multiple of ``align`` (the padded layout's groups); no host read."""
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    return (sizes + (align - 1)) // align * align
+
+
+def max_tiles(m_total: int, num_groups: int, block: int) -> int:
+    """Upper bound of sum_g ceil(M_g / block) over all groupings of m_total rows into num_groups groups.
+
+    Each group adds at most one partial block: sum_g ceil(M_g/b) <= sum_g (M_g // b + 1) <= M//b + G.
+    Buffers sized by the group sizes (token-block scales, tile lists) are allocated at this bound.
+    """
+    return m_total // block + num_groups
+
+
+def token_block_counts(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """ceil(M_g / block) per group (negative sizes count as 0, as in the kernels); no host read."""
+    return (sizes.clamp(min=0) + (block - 1)) // block
+
+
+def token_block_offsets(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """B_g = sum_{h<g} ceil(M_h/block) as int32 [G+1]: group g's first row in the wgrad scale tensor."""
+    return sizes_to_offsets(token_block_counts(sizes, block))
+
+
+def tile_map(sizes, block_m: int) -> torch.Tensor:
+    """Reference tile list for tests. READS THE SIZES ON THE HOST.
+
+    Returns a CPU int64 tensor [T, 3] of (group, first row, rows) for every M tile of every group in
+    group order, tiles starting at the group's first row (no tile straddles two groups); empty groups
+    own no tile. T <= max_tiles(M_total, G, block_m).
+    """
+    vals = sizes.tolist() if isinstance(sizes, torch.Tensor) else list(sizes)
+    tiles, row = [], 0
+    for g, m in enumerate(vals):
+        for start in range(0, m, block_m):
+            tiles.append((g, row + start, min(block_m, m - start)))
+        row += m
+    return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3)
+
+
+def make_group_sizes(m_total: int, num_groups: int, dist: str = "paper", seed: int = 0) -> torch.Tensor:
+    """Deterministic group sizes for tests and benchmarks: a CPU int64 tensor [G] summing to m_total.
+
+    dist:
+      "paper"      the generator of arXiv:2508.16584: each size drawn uniformly from the integers
+                   [0, 2*M/G], then rescaled (floor) to sum to M, the remainder going to the last group.
+      "skewed"     Zipf-like: weights 1/rank over a seeded random ranking, floor(M * w / sum w), the
+                   remainder to the rank-1 group (one group holds ~M/H_G tokens, the tail a few).
+      "balanced"   M // G each, the first M % G groups one more (seed unused).
+      "one_group"  all M tokens in one seeded group, all others empty.
+      "with_empty" the first and last groups and a seeded random half of the others are empty (at
+                   least one group stays non-empty); the non-empty ones share M like "paper".
+                   G == 1 cannot have an empty group and gives [M]; G == 2 empties group 0.
+    """
+    if m_total < 0:
+        raise ValueError(f"m_total must be >= 0, got {m_total}")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    if dist not in DISTRIBUTIONS:
+        raise ValueError(f"unknown group-size distribution {dist!r}; choose one of {', '.join(DISTRIBUTIONS)}")
+    gen = torch.Generator().manual_seed(seed)
+    G = num_groups
+    if dist == "paper":
+        return _paper_sizes(m_total, G, gen)
+    if dist == "balanced":
+        base, extra = divmod(m_total, G)
+        return torch.tensor([base + (g < extra) for g in range(G)], dtype=torch.int64)
+    if dist == "one_group":
+        sizes = torch.zeros(G, dtype=torch.int64)
+        sizes[int(torch.randint(G, (1,), generator=gen))] = m_total
+        return sizes
+    if dist == "skewed":
+        rank = torch.randperm(G, generator=gen) + 1
+        weights = 1.0 / rank.double()
+        sizes = torch.floor(m_total * weights / weights.sum()).long()
+        sizes[rank == 1] += m_total - int(sizes.sum())
+        return sizes
+    # with_empty
+    if G == 1:
+        return torch.tensor([m_total], dtype=torch.int64)
+    keep = torch.zeros(G, dtype=torch.bool)
+    if G == 2:
+        keep[1] = True
+    else:
+        inner = torch.rand(G - 2, generator=gen) < 0.5
+        if not inner.any():
+            inner[int(torch.randint(G - 2, (1,), generator=gen))] = True
+        keep[1:-1] = inner
+    sizes = torch.zeros(G, dtype=torch.int64)
+    sizes[keep] = _paper_sizes(m_total, int(keep.sum()), gen)
+    return sizes
+
+
+def _paper_sizes(m_total: int, G: int, gen: torch.Generator) -> torch.Tensor:
+    raw = torch.randint(0, 2 * m_total // G + 1, (G,), generator=gen, dtype=torch.int64)
+    total = int(raw.sum())
+    sizes = raw * m_total // total if total > 0 else torch.zeros(G, dtype=torch.int64)
+    sizes[-1] += m_total - int(sizes.sum())
+    return sizes
+
+
+# Shape rules of the GEMMs (DESIGN §4), worded once. The reference accepts any K; the kernels do not.
+def _check_multiple(op: str, what: str, value: int, multiple: int, why: str) -> None:
+    if value % multiple != 0:
+        raise ValueError(f"{op}: {what} must be a multiple of {multiple} ({why}), got {what}={value}")
+
+
+def check_m_grouped_dims(n: int, k: int, op: str = "m_grouped_fp8_gemm") -> None:
+    """Forward/dgrad Y[M, N] = A[M, K] . B[G, N, K]^T: K % 128 and N % 16."""
+    _check_multiple(op, "K", k, 128, "A and B carry one FP32 scale per 128-wide K block")
+    _check_multiple(op, "N", n, 16, "the BF16 output rows must keep TMA's 16-byte stride alignment "
+                    "and the kernel tiles N in steps of 16")
+
+
+def check_k_grouped_dims(n: int, k: int, op: str = "k_grouped_fp8_gemm") -> None:
+    """Wgrad dW[G, N, K] = dY^T[N, M] . X^T[K, M]^T (tokens contracted): N % 16 and K % 16."""
+    _check_multiple(op, "N", n, 16, "the kernel tiles the rows of dY^T in steps of 16")
+    _check_multiple(op, "K", k, 16, "the output rows must keep TMA's 16-byte stride alignment "
+                    "and the kernel tiles the rows of X^T in steps of 16")

@@ -1,0 +1,455 @@
+"""The numerics contract (DESIGN.md §3) and the byte layouts (docs/layouts.md) in plain torch.
+
+This is the oracle: every quantizer kernel must match it bit for bit, and the GEMM kernels must match
+its padded==unpadded property bit for bit and its float64 twins within ``diff < 1e-3``. It runs on any
+device (CPU for the unit tests, CUDA to check kernels) and favours clarity over speed: it may read the
+group sizes on the host and loops over groups and blocks.
+
+Block scale (``block_scale``, the only place the formula is written). For a block with amax ``a``
+(FP32 max of |x| over the block) it returns the dequantization scale ``s`` and the quantization
+multiplier ``m``; every quantizer then computes ``q = e4m3_satfinite_rn(x * m)``, one FP32 multiply:
+
+* ``a == 0``: ``s = 1``, ``m = 0`` (data +-0, the sign of an input zero is kept: -0 -> 0x80).
+* ``0 < a < 2^-119``: ``a`` is raised to ``AMAX_FLOOR = 2^-119`` first. Below ``448 / FLT_MAX``
+  (~1.3e-36) the literal ``448 / a`` overflows to Inf and the block's zeros would turn into
+  ``0 * Inf = NaN``; ``2^-119`` is the first power of two where it stays finite. This changes nothing
+  for any ``a >= 2^-119`` and keeps ``s`` representable (denormal for ``a < 448 * 2^-126``, never flushed).
+* FP32 mode: ``s = a / 448`` and ``m = 448 / a``, each one correctly rounded FP32 division.
+* pow2 mode: ``s = 2^ceil(log2(a / 448))``, the smallest power of two >= the FP32 quotient, taken
+  exactly from its bits (``pow2_ceil``), and ``m = 1 / s``, which is exact, so ``x * m == x / s`` bit
+  for bit. ``s`` lies in [2^-127, 2^120] (UE8M0-representable).
+* satfinite: the product is clamped to [-448, 448] and rounded to nearest even; NaN stays NaN and is
+  written as 0x7F whatever its sign (as ``cvt.rn.satfinite.e4m3x2.f32`` does). Denormals are kept.
+
+NaN/Inf policy (pinned by tests/test_reference.py). ``a`` propagates NaN and orders NaN > Inf >
+finite, which is what the kernels' unsigned-integer max over the bits of |x| gives:
+
+* ``a = +Inf`` (an Inf and no NaN in the block): ``s = Inf``, ``m = 0``: finite x -> +-0, +-Inf -> NaN.
+* ``a = NaN`` (any NaN in the block, with or without Inf): ``s = NaN``, every q of the block is NaN.
+* Other blocks are unaffected. In the GEMMs NaN and Inf then follow IEEE FP32 arithmetic.
+
+GEMM accumulation (DESIGN §3): for each output element and each 128-wide K block in ascending order,
+``p`` = the block's dot product of the FP8 values rounded once to FP32, then
+``acc = fma(sa * sb, p, acc)`` with ``sa * sb`` an FP32 product and ``acc`` starting at 0. The block
+dot product is computed exactly in float64: FP8 e4m3 values are multiples of 2^-9 below 2^9, so the
+products are multiples of 2^-18 below 2^18 and any partial sum of 128 of them needs < 43 bits. Hence
+the result does not depend on summation order or on which other rows are in the matmul, and every row
+is computed independently (padding a group never changes another row). The tensor cores do not round
+like this (their FP8 accumulator is narrower), so kernels are compared to this oracle by the DESIGN
+``diff`` and by their own padded==unpadded bit equality, not bit for bit.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import groups as _groups
+from ._validate import FP8, check_tensor
+
+FP8_MAX = 448.0
+BLOCK = 128
+AMAX_FLOOR = 2.0 ** -119
+E4M3_NAN_BYTE = 0x7F
+
+_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# The scale formula
+# --------------------------------------------------------------------------------------------------
+def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= v for FP32 v > 0, computed exactly from the bits; Inf/NaN pass through.
+
+    Normal v: keep the exponent and add one if the mantissa is non-zero (an exponent overflow lands on
+    the Inf encoding, correctly). Denormal v = mant * 2^-149: the answer is the next power of two of
+    the integer mantissa, whose bit pattern is already the FP32 encoding (2^23 becomes 2^-126).
+    """
+    if v.dtype != torch.float32:
+        raise TypeError(f"pow2_ceil expects float32, got {v.dtype}")
+    bits = v.view(torch.int32) & 0x7FFFFFFF
+    exp = bits >> 23
+    mant = bits & 0x7FFFFF
+    normal = (exp + (mant != 0).to(torch.int32)) << 23
+    n = mant - 1
+    for shift in (1, 2, 4, 8, 16):
+        n = n | (n >> shift)
+    denormal = n + 1
+    out = torch.where(exp == 0, denormal, normal).view(torch.float32)
+    return torch.where(torch.isfinite(v), out, v)
+
+
+def block_scale(amax: torch.Tensor, pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(s, m) for blocks with max |x| = amax (FP32): dequantize with ``x ~ q * s``, quantize with ``x * m``.
+
+    See the module docstring for the rules. Divisions are tensor/tensor on purpose: ``448.0 / t`` in
+    torch is ``t.reciprocal() * 448`` (two roundings), and CUDA turns ``t / 448.0`` into a multiply by
+    the reciprocal; neither is the contract's single FP32 division.
+    """
+    amax = amax.to(torch.float32)
+    c448 = torch.full_like(amax, FP8_MAX)
+    a = torch.where(amax < AMAX_FLOOR, torch.full_like(amax, AMAX_FLOOR), amax)  # NaN compares False: kept
+    if pow2:
+        s = pow2_ceil(a / c448)
+        m = torch.ones_like(s) / s
+    else:
+        s = a / c448
+        m = c448 / a
+    zero = amax == 0
+    return torch.where(zero, torch.ones_like(s), s), torch.where(zero, torch.zeros_like(m), m)
+
+
+def fp8_e4m3_satfinite(v: torch.Tensor) -> torch.Tensor:
+    """FP32 -> e4m3fn with round-to-nearest-even, +-448 saturation, NaN -> 0x7F (cvt.rn.satfinite).
+
+    The explicit clamp keeps saturation independent of the torch version's own cast overflow rule.
+    """
+    q = v.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    q = torch.where(torch.isnan(v), torch.full_like(q, E4M3_NAN_BYTE), q)
+    return q.view(FP8)
+
+
+def _quantize_blocks(xb: torch.Tensor, reduce_dims, pow2: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """xb: FP32 data reshaped so that each block spans ``reduce_dims``; returns (q like xb, s keepdim)."""
+    amax = xb.abs().amax(dim=reduce_dims, keepdim=True)  # propagates NaN, and NaN wins over Inf
+    s, m = block_scale(amax, pow2)
+    return fp8_e4m3_satfinite(xb * m), s
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout helpers (docs/layouts.md)
+# --------------------------------------------------------------------------------------------------
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def alloc_1x128_scales(m: int, k_blocks: int, device=None) -> torch.Tensor:
+    """The 1x128 scale layout: a [m, k_blocks] view (strides (1, m_pad)) of FP32 storage
+    [k_blocks, m_pad], m_pad = ceil(m/4)*4, M contiguous so that TMA gets a 16-byte aligned stride.
+    Filled with 1.0, which is what the pad entries (rows m..m_pad) must hold."""
+    storage = torch.ones(k_blocks, _cdiv(m, 4) * 4, dtype=torch.float32, device=device)
+    return storage[:, :m].t()
+
+
+def _zeros_fp8(shape, device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.uint8, device=device).view(FP8)
+
+
+def _padded_row_index(sizes: List[int], align: int, device) -> torch.Tensor:
+    """Destination row of every source row when each group is padded to a multiple of ``align``.
+
+    With align = 128 it is also ``128 * (global token block) + position in block`` for the per-group
+    128x1 layout, whose blocks start at each group's first row.
+    """
+    parts, dst = [], 0
+    for m in sizes:
+        parts.append(torch.arange(dst, dst + m, dtype=torch.int64))
+        dst += _cdiv(m, align) * align
+    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return idx.to(device)
+
+
+def _group_rows(sizes: List[int]):
+    start = 0
+    for g, m in enumerate(sizes):
+        yield g, start, start + m
+        start += m
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantizers
+# --------------------------------------------------------------------------------------------------
+def quantize_1x128(x: torch.Tensor, pow2: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Activations: one scale per row per 128 columns. x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/128)]).
+
+    ``s`` has the strided layout of ``alloc_1x128_scales``. The last column block may be partial;
+    M = 0 gives empty tensors of the right layout.
+    """
+    check_tensor(x, "x", _FLOAT_INPUTS, dim=2, contiguous=False)
+    M, K = x.shape
+    kb = _cdiv(K, BLOCK)
+    xb = F.pad(x.to(torch.float32), (0, kb * BLOCK - K)).view(M, kb, BLOCK)
+    q, s = _quantize_blocks(xb, -1, pow2)
+    scales = alloc_1x128_scales(M, kb, x.device)
+    scales.copy_(s.view(M, kb))
+    return q.view(M, kb * BLOCK)[:, :K].contiguous(), scales
+
+
+def quantize_128x128(w: torch.Tensor, pow2: bool = False):
+    """Weights: one scale per 128x128 block. w [G, N, K] (or [N, K]) -> (q, s, qt, st).
+
+    q [G, N, K] e4m3; s [G, ceil(N/128), ceil(K/128)]; qt = q^T [G, K, N] and st = s^T, both
+    materialised (the same bytes transposed: dgrad's operand without re-quantization). Edge blocks
+    may be partial. A 2-D w gives 2-D/2-D outputs without the G dim.
+    """
+    check_tensor(w, "w", _FLOAT_INPUTS, contiguous=False)
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [N, K] or [G, N, K], got shape {tuple(w.shape)}")
+    squeeze = w.dim() == 2
+    w3 = w.unsqueeze(0) if squeeze else w
+    G, N, K = w3.shape
+    nb, kb = _cdiv(N, BLOCK), _cdiv(K, BLOCK)
+    wp = F.pad(w3.to(torch.float32), (0, kb * BLOCK - K, 0, nb * BLOCK - N))
+    q, s = _quantize_blocks(wp.view(G, nb, BLOCK, kb, BLOCK), (2, 4), pow2)
+    q = q.view(G, nb * BLOCK, kb * BLOCK)[:, :N, :K].contiguous()
+    s = s.view(G, nb, kb).contiguous()
+    qt = q.view(torch.uint8).transpose(-1, -2).contiguous().view(FP8)
+    st = s.transpose(-1, -2).contiguous()
+    if squeeze:
+        q, s, qt, st = q[0], s[0], qt[0], st[0]
+    return q, s, qt, st
+
+
+def quantize_grouped_128x1(
+    x: torch.Tensor, groups: torch.Tensor, pow2: bool = False, num_groups: Optional[int] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Wgrad operands: one scale per column per 128-token block of each group. x [M, K] -> (qt, s).
+
+    Blocks start at each group's first row (they never mix groups; a group's last block may be
+    partial; empty groups own none). ``qt`` is a [K, M] view with stride (M_pitch, 1) of e4m3 storage
+    [K, M_pitch], M_pitch = ceil(M/16)*16, pitch columns zero. ``s`` is FP32 [M//128 + G, K]:
+    row B_g + j holds block j of group g, rows past the last used block are 0.
+    ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.normalize_groups).
+    """
+    check_tensor(x, "x", _FLOAT_INPUTS, dim=2, contiguous=False)
+    M, K = x.shape
+    sizes = _groups.host_group_sizes(groups, num_groups, M, device=x.device)
+    G = len(sizes)
+    used = sum(_cdiv(m, BLOCK) for m in sizes)
+    dest = _padded_row_index(sizes, BLOCK, x.device)
+    xp = torch.zeros(used * BLOCK, K, dtype=torch.float32, device=x.device)
+    xp[dest] = x.to(torch.float32)  # zero padding rows leave each block's amax unchanged
+    q, s = _quantize_blocks(xp.view(used, BLOCK, K), 1, pow2)
+    q_rows = q.view(used * BLOCK, K).view(torch.uint8)[dest]
+    storage = torch.zeros(K, _cdiv(M, 16) * 16, dtype=torch.uint8, device=x.device)
+    storage[:, :M] = q_rows.t()
+    scales = torch.zeros(_groups.max_tiles(M, G, BLOCK), K, dtype=torch.float32, device=x.device)
+    scales[:used] = s.view(used, K)
+    return storage.view(FP8)[:, :M], scales
+
+
+# --------------------------------------------------------------------------------------------------
+# Dequantizers (exact in float64; float32 rounds each q * s once)
+# --------------------------------------------------------------------------------------------------
+def dequantize_1x128(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    M, K = q.shape
+    return q.to(dtype) * s.to(dtype).repeat_interleave(BLOCK, dim=1)[:, :K]
+
+
+def dequantize_128x128(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    N, K = q.shape[-2:]
+    full = s.to(dtype).repeat_interleave(BLOCK, dim=-2)[..., :N, :].repeat_interleave(BLOCK, dim=-1)[..., :K]
+    return q.to(dtype) * full
+
+
+def dequantize_grouped_128x1(
+    qt: torch.Tensor, s: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of quantize_grouped_128x1, returned untransposed: [M, K]. G is read off s's shape."""
+    K, M = qt.shape
+    sizes = _groups.host_group_sizes(groups, _num_groups_from_token_scales(s, M, "s"), M, device=qt.device)
+    block = _padded_row_index(sizes, BLOCK, qt.device) // BLOCK
+    return qt.t().to(dtype) * s.to(dtype)[block]
+
+
+def _num_groups_from_token_scales(s: torch.Tensor, m: int, name: str) -> int:
+    g = s.shape[0] - m // BLOCK
+    if s.dim() != 2 or g < 1:
+        raise ValueError(f"{name} must be [M//128 + G, ...] = [{m // BLOCK} + G, ...] with G >= 1, "
+                         f"got shape {tuple(s.shape)}")
+    return g
+
+
+# --------------------------------------------------------------------------------------------------
+# GEMMs
+# --------------------------------------------------------------------------------------------------
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """FP32 fma(a, b, c). a*b is exact in float64 (24+24 bits); the float64 sum is then rounded again
+    to FP32. That equals the true single-rounding fma except in rare double-rounding cases (the
+    float64 sum landing exactly on an FP32 tie), which the tests never depend on."""
+    return (a.to(torch.float64) * b.to(torch.float64) + c.to(torch.float64)).to(torch.float32)
+
+
+def m_grouped_fp8_gemm(
+    a: torch.Tensor,
+    a_s: torch.Tensor,
+    b: torch.Tensor,
+    b_s: torch.Tensor,
+    groups: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Y[rows of g] = A_g . B_g^T with the DESIGN §3 accumulation; returns [M, N] in out_dtype.
+
+    a [M, K] e4m3 with 1x128 scales a_s [M, ceil(K/128)] (any strides); b [G, N, K] e4m3 with
+    128x128 scales b_s [G, ceil(N/128), ceil(K/128)]. Forward passes W and its scales; dgrad passes
+    W^T [G, K_in, N_out] and st, the same call. G comes from b; groups are sizes [G] or offsets [G+1].
+    """
+    check_tensor(a, "a", (FP8,), dim=2, contiguous=False)
+    check_tensor(b, "b", (FP8,), dim=3, contiguous=False)
+    M, K = a.shape
+    G, N, Kb = b.shape
+    if Kb != K:
+        raise ValueError(f"a is [M, K] = {tuple(a.shape)} but b is [G, N, K] = {tuple(b.shape)}: K differs")
+    kb = _cdiv(K, BLOCK)
+    check_tensor(a_s, "a_s", (torch.float32,), dim=2, contiguous=False)
+    check_tensor(b_s, "b_s", (torch.float32,), dim=3, contiguous=False)
+    if tuple(a_s.shape) != (M, kb):
+        raise ValueError(f"a_s must be [M, ceil(K/128)] = {(M, kb)}, got {tuple(a_s.shape)}")
+    if tuple(b_s.shape) != (G, _cdiv(N, BLOCK), kb):
+        raise ValueError(f"b_s must be [G, ceil(N/128), ceil(K/128)] = {(G, _cdiv(N, BLOCK), kb)}, "
+                         f"got {tuple(b_s.shape)}")
+    sizes = _groups.host_group_sizes(groups, G, M, device=a.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    for g, r0, r1 in _group_rows(sizes):
+        if r0 == r1:
+            continue
+        a64 = a[r0:r1].to(torch.float64)
+        b64 = b[g].to(torch.float64)
+        sb = b_s[g].repeat_interleave(BLOCK, dim=0)[:N]  # [N, kb]: the scale of every column
+        acc = torch.zeros(r1 - r0, N, dtype=torch.float32, device=a.device)
+        for k in range(kb):
+            ks = slice(k * BLOCK, min(K, (k + 1) * BLOCK))
+            p = (a64[:, ks] @ b64[:, ks].t()).to(torch.float32)  # exact, then one rounding
+            sasb = a_s[r0:r1, k].unsqueeze(1) * sb[:, k].unsqueeze(0)  # FP32 product
+            acc = _fma32(sasb, p, acc)
+        out[r0:r1] = acc.to(out_dtype)  # BF16: round to nearest even
+    return out
+
+
+def k_grouped_fp8_gemm(
+    dy_t: torch.Tensor,
+    dy_s: torch.Tensor,
+    x_t: torch.Tensor,
+    x_s: torch.Tensor,
+    groups: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """dW_g = dY_g^T . X_g, tokens contracted, with the DESIGN §3 accumulation; returns [G, N, K].
+
+    dy_t [N, M] and x_t [K, M] e4m3 (token-contiguous, any row pitch) with per-group token-block
+    scales dy_s [M//128 + G, N] and x_s [M//128 + G, K] (quantize_grouped_128x1); G is read off
+    their shape. For each group, ``acc`` runs over the group's token blocks in ascending order with
+    ``sa = dy_s[b, n]``, ``sb = x_s[b, k]``. Output: ``acc`` (empty group: 0), or with ``out=C,
+    accumulate=True`` ``C + acc`` as one FP32 add after the whole accumulation (empty group: C left
+    untouched). The result is written into ``out`` when given; otherwise a new tensor of out_dtype
+    (default float32) is returned.
+    """
+    check_tensor(dy_t, "dy_t", (FP8,), dim=2, contiguous=False)
+    check_tensor(x_t, "x_t", (FP8,), dim=2, contiguous=False)
+    N, M = dy_t.shape
+    K, Mx = x_t.shape
+    if Mx != M:
+        raise ValueError(f"dy_t is [N, M] = {tuple(dy_t.shape)} but x_t is [K, M] = {tuple(x_t.shape)}: M differs")
+    check_tensor(dy_s, "dy_s", (torch.float32,), dim=2)
+    check_tensor(x_s, "x_s", (torch.float32,), dim=2)
+    G = _num_groups_from_token_scales(dy_s, M, "dy_s")
+    if tuple(dy_s.shape) != (M // BLOCK + G, N) or tuple(x_s.shape) != (M // BLOCK + G, K):
+        raise ValueError(f"dy_s and x_s must be [M//128 + G, N] and [M//128 + G, K] = "
+                         f"{(M // BLOCK + G, N)} and {(M // BLOCK + G, K)}, got {tuple(dy_s.shape)} "
+                         f"and {tuple(x_s.shape)}")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out= (the buffer C of D = C + A.B)")
+        out = torch.empty(G, N, K, dtype=out_dtype or torch.float32, device=dy_t.device)
+    else:
+        check_tensor(out, "out", (torch.float32, torch.bfloat16), contiguous=False)
+        if tuple(out.shape) != (G, N, K):
+            raise ValueError(f"out must be [G, N, K] = {(G, N, K)}, got {tuple(out.shape)}")
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
+    sizes = _groups.host_group_sizes(groups, G, M, device=dy_t.device)
+    block = 0
+    for g, r0, r1 in _group_rows(sizes):
+        if r0 == r1:
+            if not accumulate:
+                out[g] = 0
+            continue
+        acc = torch.zeros(N, K, dtype=torch.float32, device=dy_t.device)
+        for t0 in range(r0, r1, BLOCK):
+            ts = slice(t0, min(r1, t0 + BLOCK))
+            p = (dy_t[:, ts].to(torch.float64) @ x_t[:, ts].to(torch.float64).t()).to(torch.float32)
+            sasb = dy_s[block].unsqueeze(1) * x_s[block].unsqueeze(0)  # FP32 product
+            acc = _fma32(sasb, p, acc)
+            block += 1
+        if accumulate:
+            acc = out[g].to(torch.float32) + acc
+        out[g] = acc.to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Accuracy references and the comparison metric
+# --------------------------------------------------------------------------------------------------
+def m_grouped_ref64(a, a_s, b, b_s, groups) -> torch.Tensor:
+    """float64 A_g . B_g^T from the dequantized operands (the accuracy reference, [M, N])."""
+    M = a.shape[0]
+    a64 = dequantize_1x128(a, a_s, torch.float64)
+    b64 = dequantize_128x128(b, b_s, torch.float64)
+    sizes = _groups.host_group_sizes(groups, b.shape[0], M)
+    out = torch.zeros(M, b.shape[1], dtype=torch.float64, device=a.device)
+    for g, r0, r1 in _group_rows(sizes):
+        out[r0:r1] = a64[r0:r1] @ b64[g].t()
+    return out
+
+
+def k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups) -> torch.Tensor:
+    """float64 dY_g^T . X_g from the dequantized operands (the accuracy reference, [G, N, K])."""
+    M = dy_t.shape[1]
+    dy64 = dequantize_grouped_128x1(dy_t, dy_s, groups, torch.float64)
+    x64 = dequantize_grouped_128x1(x_t, x_s, groups, torch.float64)
+    sizes = _groups.host_group_sizes(groups, _num_groups_from_token_scales(dy_s, M, "dy_s"), M)
+    out = torch.zeros(len(sizes), dy64.shape[1], x64.shape[1], dtype=torch.float64, device=dy_t.device)
+    for g, r0, r1 in _group_rows(sizes):
+        out[g] = dy64[r0:r1].t() @ x64[r0:r1]
+    return out
+
+
+def diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DESIGN §3 similarity: 1 - 2<x,y> / (<x,x> + <y,y>) in float64. 0 when equal, NaN if either
+    holds NaN or both are all zero (a comparison against a tolerance then fails, as it must)."""
+    if x.shape != y.shape:
+        raise ValueError(f"diff: shapes differ, {tuple(x.shape)} vs {tuple(y.shape)}")
+    x, y = x.to(torch.float64), y.to(torch.float64)
+    denom = (x * x).sum() + (y * y).sum()
+    return float(1.0 - 2.0 * (x * y).sum() / denom)
+
+
+# --------------------------------------------------------------------------------------------------
+# The padded twin (host-side, for tests: pad each group with zero rows, run, drop the padding)
+# --------------------------------------------------------------------------------------------------
+def pad_groups_rows(
+    a: torch.Tensor,
+    a_s: Optional[torch.Tensor],
+    groups: torch.Tensor,
+    align: int,
+    num_groups: Optional[int] = None,
+):
+    """Pad every group of rows of ``a`` with zero rows to a multiple of ``align``.
+
+    Returns (a_pad, a_s_pad, padded sizes int64 [G] on groups' device). ``a`` may be any dtype
+    (e4m3 data, or unquantized rows to quantize afterwards); ``a_s`` (1x128 scales, or None) gets
+    scale 1.0 on padding rows, which is what quantizing a zero row gives.
+    """
+    M = a.shape[0]
+    sizes = _groups.host_group_sizes(groups, num_groups, M, device=a.device)
+    padded = [_cdiv(m, align) * align for m in sizes]
+    dest = _padded_row_index(sizes, align, a.device)
+    raw = a.view(torch.uint8) if a.dtype == FP8 else a
+    out = torch.zeros((sum(padded),) + tuple(a.shape[1:]), dtype=raw.dtype, device=a.device)
+    out[dest] = raw
+    a_pad = out.view(FP8) if a.dtype == FP8 else out
+    a_s_pad = None
+    if a_s is not None:
+        a_s_pad = alloc_1x128_scales(sum(padded), a_s.shape[1], a.device)
+        a_s_pad[dest] = a_s
+    return a_pad, a_s_pad, torch.tensor(padded, dtype=torch.int64, device=groups.device)
+
+
+def unpad_rows(y_pad: torch.Tensor, groups: torch.Tensor, align: int, num_groups: Optional[int] = None):
+    """The valid rows of a padded-layout result, in the unpadded order (``groups`` are the unpadded ones)."""
+    sizes = _groups.host_group_sizes(groups, num_groups)
+    total = sum(_cdiv(m, align) * align for m in sizes)
+    if y_pad.shape[0] != total:
+        raise ValueError(f"y_pad has {y_pad.shape[0]} rows, but the groups padded to {align} have {total}")
+    return y_pad[_padded_row_index(sizes, align, y_pad.device)]

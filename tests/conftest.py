@@ -1,0 +1,37 @@
+"""Shared fixtures: a generator seeded per test, group-size distributions and group formats."""
+import zlib
+
+import pytest
+import torch
+from _dists import DISTRIBUTIONS, EDGE_GROUPINGS, GROUP_FORMATS
+
+from megatron_tma.groups import set_debug_checks
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """CPU generator seeded from the test id: fresh data per test, reproducible across runs."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(params=DISTRIBUTIONS)
+def dist(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=sorted(EDGE_GROUPINGS))
+def edge_grouping(request):
+    return EDGE_GROUPINGS[request.param]
+
+
+@pytest.fixture(params=GROUP_FORMATS, ids=lambda f: f"{f[0]}-{str(f[1]).replace('torch.', '')}")
+def groups_format(request):
+    return request.param
+
+
+@pytest.fixture
+def debug_checks():
+    """Host validation of device group tensors on for one test, then back to the environment's choice."""
+    set_debug_checks(True)
+    yield
+    set_debug_checks(None)

@@ -1,0 +1,138 @@
+"""K-grouped (weight-gradient) FP8 GEMM on the H200: bit-exact against each group padded with zero tokens
+to a multiple of 128, accurate against float64, accumulate mode, determinism, graphs, no host sync."""
+import pytest
+import torch
+
+from megatron_tma import _ext
+from megatron_tma import reference as R
+from megatron_tma.gemm import k_grouped_fp8_gemm
+from megatron_tma.groups import make_group_sizes
+
+pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
+DEV = "cuda"
+
+
+def _pad_tokens(x, sizes, align=128):
+    chunks, padded = [], []
+    for part, s in zip(torch.split(x, sizes.tolist()), sizes.tolist()):
+        p = -(-s // align) * align
+        chunks.append(torch.cat([part, part.new_zeros(p - s, x.shape[1])]))
+        padded.append(p)
+    return torch.cat(chunks), torch.tensor(padded, dtype=torch.int64)
+
+
+def _operands(sizes, n, k, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    m = int(sizes.sum())
+    x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+    dy = (torch.randn(m, n, generator=gen, device=DEV) * torch.exp2(torch.randint(-4, 5, (m, 1), generator=gen, device=DEV).float())).bfloat16()
+    return x, dy
+
+
+def _quantized(x, dy, sizes):
+    g = sizes.to(DEV)
+    xt, xs = R.quantize_grouped_128x1(x, g)
+    dyt, dys = R.quantize_grouped_128x1(dy, g)
+    return dyt, dys, xt, xs, g
+
+
+def _check(sizes, n, k, seed):
+    x, dy = _operands(sizes, n, k, seed)
+    args = _quantized(x, dy, sizes)
+    out = torch.full((len(sizes), n, k), float("nan"), device=DEV)
+    k_grouped_fp8_gemm(*args, out=out)
+    xp, padded = _pad_tokens(x, sizes)
+    dyp, _ = _pad_tokens(dy, sizes)
+    ref_pad = k_grouped_fp8_gemm(*_quantized(xp, dyp, padded))
+    assert torch.equal(out, ref_pad)
+    assert not out.isnan().any()
+    return out, args
+
+
+EDGE = torch.tensor([0, 1, 15, 16, 17, 127, 128, 129, 0, 300], dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "sizes,n,k",
+    [
+        (EDGE, 256, 384),
+        (torch.tensor([1000]), 768, 2048),               # all tokens in one group
+        (torch.tensor([0, 0, 513, 0]), 1408, 256),        # empty groups around one
+        (make_group_sizes(4096, 32, "paper", 1), 2048, 1024),
+        (make_group_sizes(8192, 256, "with_empty", 2), 256, 512),
+        (make_group_sizes(16384, 8, "skewed", 3), 4096, 4096),
+        (torch.tensor([100, 37]), 96, 48),               # N, K not multiples of 128
+    ],
+)
+def test_bitexact_vs_padded(sizes, n, k):
+    _check(sizes, n, k, seed=int(sizes.sum()) + n)
+
+
+def test_accuracy_vs_float64():
+    sizes = make_group_sizes(6000, 8, "paper", 5)
+    out, args = _check(sizes, 1024, 768, seed=3)
+    ref = R.k_grouped_ref64(*args)
+    for g in range(len(sizes)):
+        if sizes[g] > 0:
+            d = R.diff(out[g].double(), ref[g])
+            assert d < 1e-3, (g, d)
+
+
+def test_accumulate_equals_c_plus_result_and_skips_empty_groups():
+    sizes = torch.tensor([300, 0, 129, 1])
+    x, dy = _operands(sizes, 256, 256, 7)
+    args = _quantized(x, dy, sizes)
+    result = k_grouped_fp8_gemm(*args)
+    c = torch.randn(4, 256, 256, device=DEV)
+    d = c.clone()
+    k_grouped_fp8_gemm(*args, out=d, accumulate=True)
+    assert torch.equal(d, c + result)
+    assert torch.equal(d[1], c[1])
+
+
+def test_bf16_output_is_rounded_fp32():
+    sizes = torch.tensor([200, 57, 0, 512])
+    x, dy = _operands(sizes, 512, 256, 8)
+    args = _quantized(x, dy, sizes)
+    assert torch.equal(k_grouped_fp8_gemm(*args, out_dtype=torch.bfloat16), k_grouped_fp8_gemm(*args).bfloat16())
+
+
+def test_repeatable_and_offsets_equal_sizes():
+    sizes = make_group_sizes(5000, 16, "paper", 9)
+    x, dy = _operands(sizes, 512, 512, 9)
+    dyt, dys, xt, xs, g = _quantized(x, dy, sizes)
+    first = k_grouped_fp8_gemm(dyt, dys, xt, xs, g)
+    offsets = torch.zeros(17, dtype=torch.int32, device=DEV)
+    offsets[1:] = torch.cumsum(g, 0)
+    for _ in range(3):
+        assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, g), first)
+    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, offsets), first)
+
+
+def test_cuda_graph_replay_with_new_sizes_and_no_sync():
+    m, n, k, G = 4096, 512, 384, 16
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+    dy = torch.randn(m, n, generator=gen, device=DEV).bfloat16()
+    g = make_group_sizes(m, G, "paper", 1).to(DEV)
+    out = torch.empty(G, n, k, device=DEV)
+    static = list(_quantized(x, dy, g.cpu()))
+    k_grouped_fp8_gemm(*static, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k_grouped_fp8_gemm(*static, out=out)
+    for seed, dist in [(2, "skewed"), (3, "with_empty")]:
+        sizes = make_group_sizes(m, G, dist, seed)
+        fresh = _quantized(x, dy, sizes)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        assert torch.equal(out, k_grouped_fp8_gemm(*fresh))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        k_grouped_fp8_gemm(*static, out=out)
+        k_grouped_fp8_gemm(*static, out=out, accumulate=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
