@@ -1,0 +1,97 @@
+"""Measurement protocol shared by every benchmark (DESIGN.md §5).
+
+CUDA events around each call, an L2 flush (a >= 256 MB write) before each timed call, warm-up first, the
+median of >= 20 timings. Ceilings (device-to-device copy bandwidth, dense FP8 GEMM rate) are measured in the
+same process so that ratios are side by side. Results go to benchmarks/results/<name>-<YYYYMMDD-HHMM>.json in
+one shape: {benchmark, commit, gpu, date, command, ceilings, rows, ...}.
+"""
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_FLUSH = None
+
+
+def flush_l2():
+    """Evict L2 by writing 256 MB (H200's L2 is 60 MB)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    _FLUSH.fill_(1)
+
+
+def bench(fn, iters: int = 25, warmup: int = 5, flush: bool = True) -> float:
+    """Median milliseconds of `fn()` over `iters` calls, each timed alone with CUDA events after an L2 flush."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if flush:
+            flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure_ceilings(iters: int = 20) -> dict:
+    """Copy bandwidth (bytes read + written per second) and dense FP8 GEMM rate, measured now."""
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    src.random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), iters=iters, flush=False)
+    copy_tbps = 2 * src.numel() / (ms * 1e-3) / 1e12
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    ms = bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters=iters)
+    return {"copy_tbps": round(copy_tbps, 3), "dense_fp8_tflops": round(2 * n**3 / (ms * 1e-3) / 1e12, 1)}
+
+
+def git_commit() -> str:
+    env = os.environ.get("MEGATRON_TMA_COMMIT")
+    if env:
+        return env
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(RESULTS_DIR), text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "csrc", "megatron_tma"],
+                                cwd=os.path.dirname(RESULTS_DIR)) != 0
+        return sha + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - a copy without .git
+        return "unknown"
+
+
+def write_result(benchmark: str, rows, ceilings: dict, command: str, extra: dict = None, out_dir: str = None) -> str:
+    """Write the DESIGN §5 JSON; returns its path under benchmarks/results (and copies it to out_dir)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    doc = {
+        "benchmark": benchmark,
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name(),
+        "date": now.isoformat(timespec="seconds"),
+        "command": command,
+        "torch": torch.__version__,
+        "ceilings": ceilings,
+        "rows": rows,
+    }
+    doc.update(extra or {})
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{benchmark}-{now.strftime('%Y%m%d-%H%M')}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.copy(path, out_dir)
+    return path
