@@ -20,6 +20,9 @@ grep -E "registers|spill|error" "$OUT/build.log" | grep -v "^ptxas info    : Com
 timeout 120 python3 scripts/smoke.py 2>&1 | tail -20
 smoke=${PIPESTATUS[0]}
 [ "$smoke" -eq 124 ] && { echo "smoke hung: stopping"; exit 1; }
+if [ "$smoke" -ne 0 ]; then  # locate the fault (file:line via -lineinfo), then carry on for more evidence
+  timeout 180 compute-sanitizer --tool memcheck --show-backtrace device python3 scripts/smoke.py 2>&1 | grep -v "^=========     Host Frame" | head -40
+fi
 pytest_args=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do pytest_args+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift

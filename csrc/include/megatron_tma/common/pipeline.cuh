@@ -39,6 +39,7 @@ struct Pipeline {
   // Consumer: wait until the slot's loads have landed.
   __device__ __forceinline__ void consumer_wait(const PipelineState<STAGES>& st) const {
     mbar_wait(&full[st.stage], st.phase);
+    __syncwarp();  // reconverge before the warpgroup-wide wgmma
   }
   // Consumer warp: hand the slot back once every read of it (wgmma included) is complete.
   __device__ __forceinline__ void consumer_release(const PipelineState<STAGES>& st, int lane) const {

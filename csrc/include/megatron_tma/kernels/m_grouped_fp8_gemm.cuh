@@ -65,7 +65,9 @@ struct MGroupedGemmConfig {
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(const __grid_constant__ MGroupedGemmParams p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // 1024-byte alignment (128B-swizzle atoms), derived from the __shared__ array so that the compiler keeps
+  // shared-memory instructions (STS/LDS) instead of generic ones.
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_BAR);
   uint64_t* empty_bar = full_bar + Cfg::STAGES;
   int* scratch = reinterpret_cast<int*>(smem + Cfg::OFF_SCRATCH);
