@@ -4,13 +4,13 @@
 
 namespace megatron_tma {
 namespace {
-using Config = KGroupedGemmConfig</*STAGES=*/6>;
+using Config = KGroupedGemmConfig</*STAGES=*/4>;
 
 cudaError_t encode_token_major(CUtensorMap* map, const void* base, int m_total, int rows, int pitch) {
   const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)rows};
   const uint64_t strides[1] = {(uint64_t)pitch};
-  const uint32_t box[2] = {128, 128};
-  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
+  const uint32_t box[2] = {Config::STAGE_ROW, 128};  // aligned staging window, realigned in shared memory
+  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
 cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, int rows) {

@@ -47,7 +47,7 @@ cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream
   {
     const uint64_t dims[2] = {(uint64_t)args.m_total, (uint64_t)(args.k / 128)};
     const uint64_t strides[1] = {(uint64_t)args.a_scales_ld * 4};
-    const uint32_t box[2] = {Config::BLOCK_M, 1};
+    const uint32_t box[2] = {Config::SA_BOX, 1};
     if ((err = encode_tma(&p.a_scales, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, args.a_scales, dims, strides, box,
                           CU_TENSOR_MAP_SWIZZLE_NONE)) != cudaSuccess)
       return err;

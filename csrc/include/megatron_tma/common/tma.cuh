@@ -45,7 +45,10 @@ inline cudaError_t encode_tma(CUtensorMap* map, CUtensorMapDataType dtype, int r
   }
   CUresult r = fn(map, dtype, rank, const_cast<void*>(base), d, s, b, e, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+  if (r == CUDA_SUCCESS) return cudaSuccess;
+  // A context already broken by an earlier fault makes the encoder fail too: report that fault instead.
+  const cudaError_t sticky = cudaPeekAtLastError();
+  return sticky != cudaSuccess ? sticky : cudaErrorInvalidValue;
 }
 
 // ------------------------------------------------------------------------------------------------

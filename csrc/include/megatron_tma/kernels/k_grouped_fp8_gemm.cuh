@@ -1,16 +1,22 @@
 // K-grouped FP8 GEMM (weight gradient) without padding: dW[g] = dY_g^T . X_g, contracting over each
-// group's own tokens, whatever their count.
+// group's own tokens, whatever their count and wherever they start.
 //
 // Operands are token-contiguous: dY^T [N, M_total] and X^T [K, M_total] (row pitch <= M_total + 15), with
 // one FP32 scale per row per 128-token block counted from the group's first token (docs/layouts.md).
-// A tile loads 128 tokens from o_g + 128j with ordinary TMA; in a group's last, partial block the tokens
-// past the group's end belong to the next group, so both operand tiles have those columns zeroed in shared
-// memory before the tensor cores read them (products there are then exactly 0 * 0, as in the padded
-// layout). Nothing is padded in memory and nothing is read on the host.
 //
-// Numerics (DESIGN.md §3): per token block, p = FP8 tensor-core partial sum in a zeroed FP32 fragment;
-// acc = fma(sa[n] * sb[k], p, acc) in ascending block order; out = acc, or C + acc when accumulating
-// (Megatron's main_grad). Deterministic: every output element is owned by one thread of one CTA.
+// Why a realignment step: TMA requires the innermost start coordinate of a box to be 16-byte aligned, and
+// here the innermost dimension is the token, so a block starting at token o_g + 128j (any value) cannot be
+// loaded straight into the operand tile. FP8 wgmma needs K-major operands, and the tensor cores' FP32
+// partial sums depend on which tokens share a k32 step, so the block's token t must sit at K position t
+// exactly (that is what makes the result bit-identical to the 128-padded layout). So:
+//   1. the producer TMA-loads an aligned staging window [a, a + 144) with a = (o_g + 128j) & ~15, for
+//      128 rows of each operand (no swizzle), plus the block's row and column scales;
+//   2. the math warpgroups copy bytes [shift, shift + 128) of every staging row into the 128B-swizzled
+//      operand tiles (funnel shifts of 4-byte words), writing zeros for tokens past the group's end
+//      (they belong to the next group: products there are exactly 0 * 0, as in the padded layout);
+//   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
+// Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc when accumulating
+// (Megatron's main_grad). Deterministic: each output element is owned by one thread of one CTA.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -27,8 +33,8 @@
 namespace megatron_tma {
 
 struct KGroupedGemmParams {
-  CUtensorMap a;         // dY^T e4m3: dims (M_total, N), row pitch, box (128 tokens, 128 rows), SW128
-  CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (128, 128), SW128
+  CUtensorMap a;         // dY^T e4m3: dims (M_total, N), row pitch, box (144 tokens, 128 rows), no swizzle
+  CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (144, 128)
   CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
   CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
   void* d;               // [G, N, K] fp32 (or bf16), contiguous
@@ -43,40 +49,55 @@ struct KGroupedGemmConfig {
   static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128, STAGES = STAGES_;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
-  static constexpr int A_BYTES = BLOCK_M * BLOCK_K, B_BYTES = BLOCK_N * BLOCK_K;
-  static constexpr int SA_BYTES = BLOCK_M * 4, SB_BYTES = BLOCK_N * 4;
-  static constexpr int OFF_A = 0;
-  static constexpr int OFF_B = OFF_A + STAGES * A_BYTES;
-  static constexpr int OFF_SA = OFF_B + STAGES * B_BYTES;
-  static constexpr int OFF_SB = OFF_SA + STAGES * SA_BYTES;
-  static constexpr int OFF_BAR = OFF_SB + STAGES * SB_BYTES;
+  static constexpr int STAGE_ROW = BLOCK_K + 16;              // aligned window: 16 B of slack for the shift
+  static constexpr int STAGE_BYTES = 128 * STAGE_ROW;         // one operand's staging tile
+  static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
+  static constexpr int SCALE_BYTES = 128 * 4;
+  static constexpr int TX_BYTES = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
+  static constexpr int OFF_TILE_A = 0;                        // single buffer: rewritten once per block
+  static constexpr int OFF_TILE_B = OFF_TILE_A + TILE_BYTES;
+  static constexpr int OFF_STAGE = OFF_TILE_B + TILE_BYTES;   // ring: [A stage, B stage, sa, sb] per stage
+  static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
+  static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 2048;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
+  static_assert(STAGE_SLOT % 128 == 0, "staging slots keep 128-byte alignment");
 };
 
-// Zero token columns [valid, 128) of one 128-byte swizzled tile row (TMA SWIZZLE_128B, 1024 B aligned tile).
-__device__ __forceinline__ void zero_row_tail_sw128(uint8_t* tile, int row, int valid) {
-  uint8_t* r = tile + row * 128;
-  const int first = valid >> 4;
+// Copy tokens [shift, shift + 128) of one staging row into 16-byte chunk `chunk` of a 128B-swizzled tile
+// row, zeroing tokens at or past `valid`.
+__device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t* tile, int row, int chunk, int shift,
+                                              int valid) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  const int first = 16 * chunk;
+  if (first < valid) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(stage_row) + (shift >> 2) + 4 * chunk;
+    const uint32_t bits = 8 * (shift & 3);
+    uint32_t x[5];
 #pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    if (c < first) continue;
-    uint8_t* chunk = r + ((c ^ (row & 7)) << 4);
-    if (c == first && (valid & 15)) {
-      for (int b = valid & 15; b < 16; ++b) chunk[b] = 0;
-    } else {
-      *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 5; ++i) x[i] = w[i];
+    v.x = __funnelshift_r(x[0], x[1], bits);
+    v.y = __funnelshift_r(x[1], x[2], bits);
+    v.z = __funnelshift_r(x[2], x[3], bits);
+    v.w = __funnelshift_r(x[3], x[4], bits);
+    const int keep = valid - first;  // bytes of this chunk that are real tokens
+    if (keep < 16) {
+      uint32_t* u = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int k = keep - 4 * i;  // bytes to keep in word i
+        u[i] = k >= 4 ? u[i] : (k <= 0 ? 0u : (u[i] & ((1u << (8 * k)) - 1u)));
+      }
     }
   }
+  *reinterpret_cast<uint4*>(tile + sw128_offset(row, chunk)) = v;
 }
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(const __grid_constant__ KGroupedGemmParams p) {
   extern __shared__ uint8_t smem_raw[];
-  // 1024-byte alignment (128B-swizzle atoms), derived from the __shared__ array so that the compiler keeps
-  // shared-memory instructions (STS/LDS) instead of generic ones.
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_BAR);
   const Pipeline<Cfg::STAGES> pipe{full_bar, full_bar + Cfg::STAGES};
@@ -100,6 +121,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
                                 (p.k + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
   const int warpgroup = threadIdx.x / 128;
+  auto stage_ptr = [&](int stage) { return smem + Cfg::OFF_STAGE + stage * Cfg::STAGE_SLOT; };
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
@@ -110,12 +132,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         const int n0 = tile.n_block * Cfg::BLOCK_M, k0 = tile.k_block * Cfg::BLOCK_N;
         const int blocks = (tile.tokens + 127) / 128;
         for (int j = 0; j < blocks; ++j, st.advance()) {
-          uint64_t* bar = pipe.producer_acquire(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES + Cfg::SB_BYTES);
-          const int tok = tile.token_start + 128 * j;
-          tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, tok, n0);
-          tma_load_2d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, tok, k0);
-          tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES, n0, tile.block_base + j);
-          tma_load_2d(&p.b_scales, bar, smem + Cfg::OFF_SB + st.stage * Cfg::SB_BYTES, k0, tile.block_base + j);
+          uint64_t* bar = pipe.producer_acquire(st, Cfg::TX_BYTES);
+          const int aligned = (tile.token_start + 128 * j) & ~15;  // TMA: 16-byte aligned inner coordinate
+          uint8_t* s = stage_ptr(st.stage);
+          tma_load_2d(&p.a, bar, s, aligned, n0);
+          tma_load_2d(&p.b, bar, s + Cfg::STAGE_BYTES, aligned, k0);
+          tma_load_2d(&p.a_scales, bar, s + 2 * Cfg::STAGE_BYTES, n0, tile.block_base + j);
+          tma_load_2d(&p.b_scales, bar, s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES, k0, tile.block_base + j);
         }
       }
     }
@@ -123,9 +146,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     setmaxnreg_inc<Cfg::kMathRegs>();
     const int mwg = warpgroup - 1;
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int mtid = threadIdx.x - 128;  // 0..255 over both math warpgroups
     const int r0 = 16 * warp + lane / 4;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     float acc[Mma::kRegs], part[Mma::kRegs];
+    uint8_t* tile_a = smem + Cfg::OFF_TILE_A;
+    uint8_t* tile_b = smem + Cfg::OFF_TILE_B;
     PipelineState<Cfg::STAGES> st;
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -134,25 +160,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       if (blocks == 0 && p.accumulate) continue;  // an empty group leaves C unchanged
 #pragma unroll
       for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
+      const int shift = tile.token_start & 15;  // the same for every block of the group
 
       for (int j = 0; j < blocks; ++j, st.advance()) {
         pipe.consumer_wait(st);
-        uint8_t* a_tile = smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES;
-        uint8_t* b_tile = smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES;
+        const uint8_t* s = stage_ptr(st.stage);
         const int valid = min(128, tile.tokens - 128 * j);
-        if (valid < 128) {
-          // Tokens past the group's end: zero them in both operands (this warpgroup's 64 A rows and half of
-          // B), make the writes visible to the tensor cores, and wait for the other math warpgroup.
-          zero_row_tail_sw128(tid < 64 ? a_tile : b_tile, 64 * mwg + (tid & 63), valid);
-          fence_proxy_async_smem();
-          named_barrier_sync(3, 256);
+        // Both warpgroups' previous wgmma have completed (each waited on its own) before the tiles change.
+        named_barrier_sync(3, 256);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {  // 2 operands x 128 rows x 8 chunks over 256 threads
+          const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
+          realign_chunk(s + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, op ? tile_b : tile_a, row, chunk, shift, valid);
         }
-        const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES) + 64 * mwg;
-        const float* sb = reinterpret_cast<const float*>(smem + Cfg::OFF_SB + st.stage * Cfg::SB_BYTES);
+        fence_proxy_async_smem();
+        named_barrier_sync(3, 256);
+        const float* sa = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES) + 64 * mwg;
+        const float* sb = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES);
         const float sa0 = sa[r0], sa1 = sa[r0 + 8];
-        mma_block_k128<Mma>(make_kmajor_sw128_desc(a_tile + mwg * 64 * 128), make_kmajor_sw128_desc(b_tile), part);
+        mma_block_k128<Mma>(make_kmajor_sw128_desc(tile_a + mwg * 64 * 128), make_kmajor_sw128_desc(tile_b), part);
         promote_row_col_scaled(acc, part, sa0, sa1, sb + 2 * (lane % 4));
-        pipe.consumer_release(st, lane);  // after the column scales were read from this stage
+        pipe.consumer_release(st, lane);  // staging bytes and scales of this stage are no longer read
       }
 
       // Epilogue: straight from registers; each warp store covers whole 32-byte sectors (4 lanes x 8 B per row).

@@ -7,8 +7,10 @@
 //
 // Structure: persistent grid; warpgroup 0 = one TMA producer thread (registers given away with
 // setmaxnreg), warpgroups 1-2 = math, each owning 64 rows of the 128-row tile. A STAGES-deep mbarrier
-// ring of 128B-swizzled A/B tiles plus the tile's 128 A scales (loaded by TMA from the group's real first
-// row: TMA coordinates need no alignment, so no over-fetch is needed for the scales).
+// ring of 128B-swizzled A/B tiles plus the tile's A scales. TMA needs the innermost start coordinate of a
+// box 16-byte aligned, and a group's first row is arbitrary, so the scales (M-contiguous FP32) are fetched
+// from the row rounded down to a multiple of 4 with 4 extra floats, and read at the remainder (the paper's
+// alignment-aware scale load). A rows are the outer TMA dimension and load from the exact first row.
 // Beyond the paper: only real tiles are scheduled, and a math warpgroup whose 64 rows hold no valid row
 // skips its wgmma, promotion and epilogue (it only releases the pipeline stages).
 // Output: the paper's descriptor pool and two-phase residual store (common/residual_store.cuh), per warpgroup.
@@ -32,7 +34,7 @@ constexpr int kStorePoolSize = 7;  // box heights 1, 2, ..., 64 rows (one math w
 struct MGroupedGemmParams {
   CUtensorMap a;                        // e4m3 [M_total, K]: dims (K, M_total), box (128, 128), SW128
   CUtensorMap b;                        // e4m3 [G, N, K]: dims (K, N, G), box (128, BLOCK_N, 1), SW128
-  CUtensorMap a_scales;                 // fp32 storage [K/128, ld]: dims (M_total, K/128), box (128, 1)
+  CUtensorMap a_scales;                 // fp32 storage [K/128, ld]: dims (M_total, K/128), box (132, 1)
   CUtensorMap d_pool[kStorePoolSize];   // bf16 [M_total, N]: dims (N, M_total), box (64, 2^k), SW128
   const float* b_scales;                // fp32 [G, ceil(N/128), K/128]
   GroupsArg groups;
@@ -46,7 +48,9 @@ struct MGroupedGemmConfig {
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K;  // e4m3
   static constexpr int B_BYTES = BLOCK_N * BLOCK_K;
-  static constexpr int SA_BYTES = BLOCK_M * 4;
+  static constexpr int SA_BOX = BLOCK_M + 4;          // floats fetched per K block (aligned over-fetch)
+  static constexpr int SA_BYTES = SA_BOX * 4;         // TMA transaction bytes
+  static constexpr int SA_SLOT = 640;                 // SA_BYTES rounded up to 128 B per stage
   static constexpr int D_HALVES = BLOCK_N / 64;      // 128-byte column chunks of the BF16 tile
   static constexpr int D_BYTES = BLOCK_M * BLOCK_N * 2;
   // shared memory map (offsets from a 1024-aligned base)
@@ -54,7 +58,7 @@ struct MGroupedGemmConfig {
   static constexpr int OFF_B = OFF_A + STAGES * A_BYTES;
   static constexpr int OFF_D = OFF_B + STAGES * B_BYTES;
   static constexpr int OFF_SA = OFF_D + D_BYTES;
-  static constexpr int OFF_BAR = OFF_SA + STAGES * SA_BYTES;
+  static constexpr int OFF_BAR = OFF_SA + STAGES * SA_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 2048;
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
           tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
           tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
                       tile.n_block * Cfg::BLOCK_N, tile.group);
-          tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES, tile.row_start, kb);
+          tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT, tile.row_start & ~3, kb);
         }
       }
     }
@@ -130,7 +134,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
         pipe.consumer_wait(st);
         if (active) {
-          const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_BYTES) + 64 * mwg;
+          const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT) +
+                            (tile.row_start & 3) + 64 * mwg;
           const float sb = __ldg(bs + kb);
           const float sa0 = sa[r0], sa1 = sa[r0 + 8];
           mma_block_k128<Mma>(make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128),
