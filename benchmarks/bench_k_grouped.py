@@ -102,13 +102,12 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings):
     one = torch.ones((), device=dev)
     fns["dense_cublas"] = lambda: torch._scaled_mm(a_d, b_d, one, one, out_dtype=torch.bfloat16)
 
-    for name, fn in fns.items():
-        try:
-            ms = common.bench(fn, iters=iters)
-            row[f"{name}_ms"] = round(ms, 5)
-            row[f"{name}_tflops"] = round(flops / ms / 1e9, 1)
-        except Exception as e:
-            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    for name, res in common.bench_interleaved(fns, iters=iters).items():
+        if isinstance(res, str):
+            row[f"{name}_error"] = res
+        else:
+            row[f"{name}_ms"] = round(res, 5)
+            row[f"{name}_tflops"] = round(flops / res / 1e9, 1)
     ours = k_grouped_fp8_gemm(dyt, dys, xt, xs, groups)
     row["bitexact"] = bool(torch.equal(ours, k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups)))
     row["ours_over_roofline"] = round(row["ours_ms"] / row["roofline_ms"], 3)

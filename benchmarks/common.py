@@ -44,6 +44,33 @@ def bench(fn, iters: int = 25, warmup: int = 5, flush: bool = True) -> float:
     return statistics.median(times)
 
 
+def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
+    """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
+    an L2 flush), so that clock and power drift over the run falls on every method alike. A callable that
+    raises is reported as the exception's text instead of a time."""
+    results, live = {}, dict(fns)
+    for name, fn in list(live.items()):
+        try:
+            for _ in range(warmup):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
+            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            del live[name]
+    times = {name: [] for name in live}
+    for _ in range(iters):
+        for name, fn in live.items():
+            flush_l2()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    results.update({name: statistics.median(t) for name, t in times.items()})
+    return results
+
+
 def measure_ceilings(iters: int = 20) -> dict:
     """Copy bandwidth (bytes read + written per second) and dense FP8 GEMM rate, measured now."""
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")

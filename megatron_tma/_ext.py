@@ -1,4 +1,6 @@
 """Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
+import functools
+
 import torch
 
 try:
@@ -18,11 +20,21 @@ def extension_error():
     return _EXT_ERROR
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
 def is_hopper(device=None) -> bool:
+    """sm_90 check, cached per device (it sits on every call's path: host time matters)."""
     if not torch.cuda.is_available():
         return False
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) == (9, 0)
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        device = torch.device(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0)
 
 
 def cuda_kernels_available(device=None) -> bool:

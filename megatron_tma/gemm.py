@@ -87,6 +87,8 @@ def m_grouped_fp8_gemm(
             raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
         if out.stride(1) != 1 or (m > 1 and out.stride(0) % 8 != 0):
             raise ValueError(f"out needs unit column stride and a row pitch that is a multiple of 8, got {out.stride()}")
+    if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
+        return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
     if _use_cuda(backend, device):
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)

@@ -27,7 +27,12 @@ GROUP_DTYPES = (torch.int32, torch.int64)
 DISTRIBUTIONS = ("paper", "skewed", "balanced", "one_group", "with_empty")
 DEBUG_ENV = "MEGATRON_TMA_DEBUG_CHECKS"
 
-_debug_override: Optional[bool] = None
+def _env_debug_checks() -> bool:
+    return os.environ.get(DEBUG_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Read once (every GEMM call asks; host time per call matters); set_debug_checks(None) re-reads it.
+_debug_checks: bool = _env_debug_checks()
 
 
 def set_debug_checks(enabled: Optional[bool]) -> None:
@@ -36,14 +41,12 @@ def set_debug_checks(enabled: Optional[bool]) -> None:
     With it on, every call that takes groups copies them to the host (a device sync) and raises on
     malformed values; do not leave it on in training or under CUDA-graph capture.
     """
-    global _debug_override
-    _debug_override = None if enabled is None else bool(enabled)
+    global _debug_checks
+    _debug_checks = _env_debug_checks() if enabled is None else bool(enabled)
 
 
 def debug_checks_enabled() -> bool:
-    if _debug_override is not None:
-        return _debug_override
-    return os.environ.get(DEBUG_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return _debug_checks
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -15,6 +15,7 @@
 //      operand tiles (funnel shifts of 4-byte words), writing zeros for tokens past the group's end
 //      (they belong to the next group: products there are exactly 0 * 0, as in the padded layout);
 //   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
+// The operand tiles are double-buffered so that block j+1 is realigned while block j's wgmma runs.
 // Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc when accumulating
 // (Megatron's main_grad). Deterministic: each output element is owned by one thread of one CTA.
 #pragma once
@@ -54,9 +55,8 @@ struct KGroupedGemmConfig {
   static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
   static constexpr int SCALE_BYTES = 128 * 4;
   static constexpr int TX_BYTES = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
-  static constexpr int OFF_TILE_A = 0;                        // single buffer: rewritten once per block
-  static constexpr int OFF_TILE_B = OFF_TILE_A + TILE_BYTES;
-  static constexpr int OFF_STAGE = OFF_TILE_B + TILE_BYTES;   // ring: [A stage, B stage, sa, sb] per stage
+  static constexpr int OFF_TILES = 0;                         // 2 buffers x [A tile, B tile]
+  static constexpr int OFF_STAGE = OFF_TILES + 4 * TILE_BYTES;  // ring: [A stage, B stage, sa, sb] per stage
   static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
@@ -150,9 +150,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     const int r0 = 16 * warp + lane / 4;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     float acc[Mma::kRegs], part[Mma::kRegs];
-    uint8_t* tile_a = smem + Cfg::OFF_TILE_A;
-    uint8_t* tile_b = smem + Cfg::OFF_TILE_B;
     PipelineState<Cfg::STAGES> st;
+    // Realign one block's staging window into tile buffer `buf` (A then B), visible to the tensor cores.
+    auto realign = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
+      const uint8_t* s = stage_ptr(at.stage);
+      uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {  // 2 operands x 128 rows x 8 chunks over 256 threads
+        const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
+        realign_chunk(s + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, tiles + op * Cfg::TILE_BYTES, row, chunk,
+                      shift, valid);
+      }
+      fence_proxy_async_smem();
+    };
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
@@ -161,26 +171,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
       for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
       const int shift = tile.token_start & 15;  // the same for every block of the group
+      if (blocks > 0) {
+        pipe.consumer_wait(st);
+        realign(st, 0, shift, min(128, tile.tokens));
+        named_barrier_sync(3, 256);
+      }
 
       for (int j = 0; j < blocks; ++j, st.advance()) {
-        pipe.consumer_wait(st);
+        const int buf = j & 1;
+        const uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
         const uint8_t* s = stage_ptr(st.stage);
-        const int valid = min(128, tile.tokens - 128 * j);
-        // Both warpgroups' previous wgmma have completed (each waited on its own) before the tiles change.
-        named_barrier_sync(3, 256);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {  // 2 operands x 128 rows x 8 chunks over 256 threads
-          const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
-          realign_chunk(s + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, op ? tile_b : tile_a, row, chunk, shift, valid);
-        }
-        fence_proxy_async_smem();
-        named_barrier_sync(3, 256);
         const float* sa = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES) + 64 * mwg;
         const float* sb = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES);
         const float sa0 = sa[r0], sa1 = sa[r0 + 8];
-        mma_block_k128<Mma>(make_kmajor_sw128_desc(tile_a + mwg * 64 * 128), make_kmajor_sw128_desc(tile_b), part);
+        // Issue block j on the tensor cores ...
+        const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
+        const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
+        fence_regs(part);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), part, k > 0);
+        wgmma_commit();
+        // ... and realign block j+1 into the other buffer meanwhile (its wgmma j-1 finished before the last barrier).
+        if (j + 1 < blocks) {
+          PipelineState<Cfg::STAGES> next = st;
+          next.advance();
+          pipe.consumer_wait(next);
+          realign(next, buf ^ 1, shift, min(128, tile.tokens - 128 * (j + 1)));
+        }
+        wgmma_wait<0>();
+        fence_regs(part);
         promote_row_col_scaled(acc, part, sa0, sa1, sb + 2 * (lane % 4));
-        pipe.consumer_release(st, lane);  // staging bytes and scales of this stage are no longer read
+        pipe.consumer_release(st, lane);  // staging bytes and scales of block j are no longer read
+        // Both warpgroups are done with buffer `buf` and have written buffer `buf ^ 1`.
+        named_barrier_sync(3, 256);
       }
 
       // Epilogue: straight from registers; each warp store covers whole 32-byte sectors (4 lanes x 8 B per row).

@@ -132,11 +132,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
 
       for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+        const float sb = active ? __ldg(bs + kb) : 0.f;  // global load issued before the wait: off the critical path
         pipe.consumer_wait(st);
         if (active) {
           const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT) +
                             (tile.row_start & 3) + 64 * mwg;
-          const float sb = __ldg(bs + kb);
           const float sa0 = sa[r0], sa1 = sa[r0 + 8];
           mma_block_k128<Mma>(make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128),
                               make_kmajor_sw128_desc(smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES), part);
