@@ -1,0 +1,136 @@
+// torch binding of the FP8 block quantizers (instantiations/quantize.cu): checks what the kernels assume,
+// allocates every output here in its docs/layouts.md layout (torch.empty: the kernels write all bytes,
+// padding included), launches on the current stream. megatron_tma/quant.py gives the same errors first
+// and registers the fake (meta) implementations; these checks keep the ops safe through torch.ops.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "megatron_tma/host/quantize.h"
+
+namespace {
+
+using megatron_tma::QuantInput;
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The data input of every quantizer: a contiguous bf16/fp16 CUDA tensor of `dim` dims whose last dim
+// (the contiguous one) is a multiple of 16, so that every row is a whole number of 16-byte vectors.
+QuantInput check_input(const at::Tensor& x, const char* name, int64_t dim) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, name,
+                   " must have dtype bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.is_cuda(), name, " must be a CUDA tensor, got one on ", x.device());
+  TORCH_CHECK_VALUE(x.dim() == dim, name, " must be ", dim, "-D, got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), name, " must be contiguous, got strides ", x.strides());
+  TORCH_CHECK_VALUE(x.size(-1) % 16 == 0, "the last dim of ", name,
+                    " must be a multiple of 16 (rows move as 16-byte vectors), got ", x.size(-1));
+  TORCH_CHECK_VALUE(x.numel() == 0 || aligned16(x), name, " must be 16-byte aligned");
+  return x.scalar_type() == at::kBFloat16 ? QuantInput::kBf16 : QuantInput::kFp16;
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
+}
+
+// (q [M, K] e4m3, s [M, ceil(K/128)] fp32 viewing storage [ceil(K/128), ceil(M/4)*4], strides (1, M_pad))
+std::tuple<at::Tensor, at::Tensor> quantize_1x128(const at::Tensor& x, bool pow2) {
+  const QuantInput in = check_input(x, "x", 2);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t m_pad = cdiv(M, 4) * 4;
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor s = at::empty({cdiv(K, 128), m_pad}, x.options().dtype(at::kFloat));
+  check_launch(megatron_tma::quantize_1x128(x.data_ptr(), in, M, K, pow2, q.data_ptr(), s.data_ptr<float>(), m_pad,
+                                            at::cuda::getCurrentCUDAStream()),
+               "quantize_1x128");
+  return {q, s.narrow(1, 0, M).t()};
+}
+
+// (q [G, N, K], s [G, ceil(N/128), ceil(K/128)], qt [G, K, N], st [G, ceil(K/128), ceil(N/128)])
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128(const at::Tensor& w, bool pow2) {
+  const QuantInput in = check_input(w, "w", 3);
+  const int64_t G = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK_VALUE(N % 16 == 0, "N (dim 1 of w) must be a multiple of 16 (the rows of the transposed copy move "
+                    "as 16-byte vectors), got ", N);
+  c10::cuda::CUDAGuard guard(w.device());
+  const at::TensorOptions fp8 = w.options().dtype(at::kFloat8_e4m3fn), f32 = w.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({G, N, K}, fp8);
+  at::Tensor s = at::empty({G, cdiv(N, 128), cdiv(K, 128)}, f32);
+  at::Tensor qt = at::empty({G, K, N}, fp8);
+  at::Tensor st = at::empty({G, cdiv(K, 128), cdiv(N, 128)}, f32);
+  check_launch(megatron_tma::quantize_128x128(w.data_ptr(), in, G, N, K, pow2, q.data_ptr(), s.data_ptr<float>(),
+                                              qt.data_ptr(), st.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               "quantize_128x128");
+  return {q, s, qt, st};
+}
+
+megatron_tma::GroupsArg check_groups(const at::Tensor& groups, int64_t num_groups, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(num_groups >= 1 && num_groups <= megatron_tma::kQuantizeGroupedMaxGroups,
+                    "the number of groups must be in [1, ", megatron_tma::kQuantizeGroupedMaxGroups, "], got ",
+                    num_groups);
+  TORCH_CHECK_TYPE(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong,
+                   "groups must be int32 or int64, got ", groups.scalar_type());
+  TORCH_CHECK_VALUE(groups.device() == x.device() && groups.dim() == 1 && groups.is_contiguous(),
+                    "groups must be a contiguous 1-D tensor on ", x.device());
+  TORCH_CHECK_VALUE(groups.numel() == num_groups || groups.numel() == num_groups + 1, "groups must hold G=",
+                    num_groups, " sizes or G+1 offsets, got ", groups.numel(), " entries");
+  return {groups.data_ptr(), static_cast<int>(num_groups), groups.scalar_type() == at::kLong ? 1 : 0,
+          groups.numel() == num_groups + 1 ? 1 : 0};
+}
+
+// (qt [K, M] e4m3 viewing storage [K, ceil(M/16)*16], strides (M_pitch, 1); s [M/128 + G, K] fp32)
+std::tuple<at::Tensor, at::Tensor> quantize_grouped_128x1(const at::Tensor& x, const at::Tensor& groups,
+                                                          int64_t num_groups, bool pow2) {
+  const QuantInput in = check_input(x, "x", 2);
+  const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t m_pitch = cdiv(M, 16) * 16;
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor qt = at::empty({K, m_pitch}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor s = at::empty({M / 128 + num_groups, K}, x.options().dtype(at::kFloat));
+  check_launch(megatron_tma::quantize_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, qt.data_ptr(), m_pitch,
+                                                    s.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               "quantize_grouped_128x1");
+  return {qt.narrow(1, 0, M), s};
+}
+
+// quantize_1x128(x) and quantize_grouped_128x1(x, groups) in one pass: (q, s, qt, s_t), same layouts.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_and_grouped_128x1(
+    const at::Tensor& x, const at::Tensor& groups, int64_t num_groups, bool pow2) {
+  const QuantInput in = check_input(x, "x", 2);
+  const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t m_pad = cdiv(M, 4) * 4, m_pitch = cdiv(M, 16) * 16;
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::TensorOptions fp8 = x.options().dtype(at::kFloat8_e4m3fn), f32 = x.options().dtype(at::kFloat);
+  at::Tensor q = at::empty({M, K}, fp8);
+  at::Tensor s = at::empty({cdiv(K, 128), m_pad}, f32);
+  at::Tensor qt = at::empty({K, m_pitch}, fp8);
+  at::Tensor s_t = at::empty({M / 128 + num_groups, K}, f32);
+  check_launch(megatron_tma::quantize_1x128_and_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, q.data_ptr(),
+                                                              s.data_ptr<float>(), m_pad, qt.data_ptr(), m_pitch,
+                                                              s_t.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               "quantize_1x128_and_grouped_128x1");
+  return {q, s.narrow(1, 0, M).t(), qt.narrow(1, 0, M), s_t};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
+  m.def("quantize_1x128(Tensor x, bool pow2=False) -> (Tensor, Tensor)");
+  m.def("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("quantize_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) -> (Tensor, Tensor)");
+  m.def(
+      "quantize_1x128_and_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
+  m.impl("quantize_1x128", &quantize_1x128);
+  m.impl("quantize_128x128", &quantize_128x128);
+  m.impl("quantize_grouped_128x1", &quantize_grouped_128x1);
+  m.impl("quantize_1x128_and_grouped_128x1", &quantize_1x128_and_grouped_128x1);
+}

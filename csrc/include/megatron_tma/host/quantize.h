@@ -1,0 +1,47 @@
+// Torch-free host entry points of the FP8 block quantizers (csrc/instantiations/quantize.cu; kernels in
+// kernels/quantize.cuh, numerics in common/fp8.cuh, byte layouts in docs/layouts.md). Plain C++: the
+// torch binding includes it with the host compiler.
+//
+// Every function checks the geometry it can see and returns cudaErrorInvalidValue with nothing launched
+// when it does not hold, launches on `stream` otherwise (returning the launch status), and never
+// synchronises or reads device memory on the host: all are safe under CUDA-graph capture. Inputs are
+// bf16 or fp16, row-major, 16-byte aligned, with K (the contiguous dimension) a multiple of 16; every
+// output byte of the documented layout is written (padding included), so outputs need no initialisation.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "megatron_tma/common/groups_arg.h"
+
+namespace megatron_tma {
+
+enum class QuantInput : int { kBf16 = 0, kFp16 = 1 };
+
+// Largest G quantize_grouped_128x1 accepts (group and token-block offsets live in shared memory).
+constexpr int kQuantizeGroupedMaxGroups = 8192;
+
+// x [m, k] -> q e4m3 [m, k] and 1x128 scales: the scale of row r, column block kb (k/128 rounded up)
+// at s[kb * s_ld + r]. s_ld >= m, a multiple of 4; entries m..s_ld-1 of each block row are set to 1.0.
+cudaError_t quantize_1x128(const void* x, QuantInput in, int64_t m, int64_t k, bool pow2, void* q, float* s,
+                           int64_t s_ld, cudaStream_t stream);
+
+// w [g, n, k] -> q e4m3 [g, n, k], s [g, ceil(n/128), ceil(k/128)], qt = q^T e4m3 [g, k, n] and
+// st = s^T [g, ceil(k/128), ceil(n/128)], all contiguous, in one pass. n % 16 == 0 as well.
+cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
+                             float* s, void* qt, float* st, cudaStream_t stream);
+
+// x [m, k] -> qt e4m3 storage [k, qt_ld] (qt[c * qt_ld + r] = q(x[r, c]); columns m..qt_ld-1 set to 0)
+// and s [m/128 + G, k] (row b = the b-th 128-token block, counting each group's blocks from its first
+// row; rows past the last used block set to 0). qt_ld >= m, a multiple of 16. `groups` is the device
+// sizes [G] or offsets [G+1] tensor, 1 <= G <= kQuantizeGroupedMaxGroups.
+cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2,
+                                   void* qt, int64_t qt_ld, float* s, cudaStream_t stream);
+
+// Both quantize_1x128 (q, s, s_ld) and quantize_grouped_128x1 (qt, qt_ld, s_t) of the same x in one pass:
+// x is read once instead of twice (the backward quantizes dY for dgrad and wgrad). Same outputs, same rules.
+cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
+                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, int64_t qt_ld,
+                                             float* s_t, cudaStream_t stream);
+
+}  // namespace megatron_tma

@@ -1,0 +1,150 @@
+// Host launchers and instances of the FP8 block quantizers (kernels/quantize.cuh): every kernel for
+// {bf16, fp16} inputs and {FP32, pow2} scales, picked at run time; the grouped kernel also fused with 1x128.
+#include <climits>
+
+#include "megatron_tma/host/quantize.h"
+#include "megatron_tma/kernels/quantize.cuh"
+
+namespace megatron_tma {
+namespace {
+
+using namespace quant;
+
+static_assert(kQuantizeGroupedMaxGroups == kGroupedMaxGroups, "host and kernel group limits differ");
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// kernel<In, pow2> for the run-time input format and scale mode.
+template <template <class, bool> class Kernel>
+auto pick(QuantInput in, bool pow2) {
+  if (in == QuantInput::kBf16) return pow2 ? Kernel<Bf16In, true>::fn : Kernel<Bf16In, false>::fn;
+  return pow2 ? Kernel<Fp16In, true>::fn : Kernel<Fp16In, false>::fn;
+}
+template <class In, bool kPow2> struct K1x128 { static constexpr auto fn = quantize_1x128_kernel<In, kPow2>; };
+template <class In, bool kPow2> struct K128x128 { static constexpr auto fn = quantize_128x128_kernel<In, kPow2>; };
+template <class In, bool kPow2> struct KGrouped { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, false>; };
+template <class In, bool kPow2> struct KFused { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, true>; };
+
+bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInput::kFp16; }
+
+// Persistent grid: the CTAs that the launch bounds fit on every SM (ctas_per_sm), never more than there are
+// tiles. With very many groups shared memory may fit fewer; the rest then run as a short second wave.
+// Raises the dynamic shared-memory limit when the group arrays need it. Attribute calls only, no stream
+// work and no occupancy query per call: cheap and capture safe.
+template <class Params>
+cudaError_t persistent_grid(void (*kernel)(Params), int ctas_per_sm, int smem, int64_t tiles, int* grid) {
+  cudaError_t err;
+  int dev = 0, sms = 0;
+  if ((err = cudaGetDevice(&dev)) != cudaSuccess) return err;
+  if (smem > 48 * 1024 &&
+      (err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    return err;
+  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return err;
+  const int64_t resident = int64_t(sms) * ctas_per_sm;
+  *grid = static_cast<int>(tiles < resident ? tiles : resident);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t quantize_1x128(const void* x, QuantInput in, int64_t m, int64_t k, bool pow2, void* q, float* s,
+                           int64_t s_ld, cudaStream_t stream) {
+  if (!input_ok(in) || m < 0 || m > INT_MAX || k < 0 || k > INT_MAX || k % 16 != 0) return cudaErrorInvalidValue;
+  if (m == 0 || k == 0) return cudaSuccess;  // no data and no scale entries
+  if (s_ld < m || s_ld > INT_MAX || s_ld % 4 != 0 || !aligned16(x) || !aligned16(q)) return cudaErrorInvalidValue;
+  const int64_t units = m * cdiv(k, k1x128Span);  // one warp each
+  const int64_t blocks = cdiv(units, kWarps);
+  if (blocks > INT_MAX) return cudaErrorInvalidValue;
+
+  Quantize1x128Params p;
+  p.x = x;
+  p.q = static_cast<uint8_t*>(q);
+  p.s = s;
+  p.m = m;
+  p.k = static_cast<int>(k);
+  p.s_ld = static_cast<int>(s_ld);
+  pick<K1x128>(in, pow2)<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
+                             float* s, void* qt, float* st, cudaStream_t stream) {
+  if (!input_ok(in) || g < 0 || g > INT_MAX || n < 0 || n > INT_MAX || n % 16 != 0 || k < 0 || k > INT_MAX ||
+      k % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (g == 0 || n == 0 || k == 0) return cudaSuccess;
+  if (!aligned16(w) || !aligned16(q) || !aligned16(qt)) return cudaErrorInvalidValue;
+
+  Quantize128x128Params p;
+  p.w = w;
+  p.q = static_cast<uint8_t*>(q);
+  p.s = s;
+  p.qt = static_cast<uint8_t*>(qt);
+  p.st = st;
+  p.g = static_cast<int>(g);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  const auto kernel = pick<K128x128>(in, pow2);
+  int grid = 0;
+  const cudaError_t err = persistent_grid(kernel, k128x128CtasPerSm, 0, g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+namespace {
+
+// Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
+cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2, void* qt,
+                           int64_t qt_ld, float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream) {
+  const int G = groups.num_groups;
+  // Rows stay in int on the device with room for a whole block past the end.
+  if (!input_ok(in) || groups.ptr == nullptr || G < 1 || G > kGroupedMaxGroups || m < 0 || m > INT_MAX - kBlock ||
+      k < 0 || k > INT_MAX || k % 16 != 0 || qt_ld < m || qt_ld % 16 != 0)
+    return cudaErrorInvalidValue;
+  const int64_t mb_max = m / kBlock + G;
+  if (k == 0) return cudaSuccess;  // every output is empty
+  if ((m > 0 && (!aligned16(x) || !aligned16(qt))) || mb_max > INT_MAX) return cudaErrorInvalidValue;
+  if (q != nullptr && (s1_ld < m || s1_ld > INT_MAX || s1_ld % 4 != 0 || (m > 0 && !aligned16(q))))
+    return cudaErrorInvalidValue;
+
+  QuantizeGroupedParams p;
+  p.x = x;
+  p.qt = static_cast<uint8_t*>(qt);
+  p.s = s;
+  p.groups = groups;
+  p.m = static_cast<int>(m);
+  p.k = static_cast<int>(k);
+  p.qt_ld = qt_ld;
+  p.mb_max = static_cast<int>(mb_max);
+  p.q = static_cast<uint8_t*>(q);
+  p.s1 = s1;
+  p.s1_ld = static_cast<int>(q != nullptr ? s1_ld : 0);
+  const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
+  const int smem = grouped_dynamic_smem(G);
+  int grid = 0;
+  const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * cdiv(k, kBlock), &grid);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2,
+                                   void* qt, int64_t qt_ld, float* s, cudaStream_t stream) {
+  return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s, nullptr, nullptr, 0, stream);
+}
+
+cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
+                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, int64_t qt_ld,
+                                             float* s_t, cudaStream_t stream) {
+  if (q == nullptr && m > 0 && k > 0) return cudaErrorInvalidValue;
+  if (m == 0 || k == 0) {  // no 1x128 entry to write; the grouped scales still need their zero rows
+    return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s_t, nullptr, nullptr, 0, stream);
+  }
+  return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s_t, q, s, s_ld, stream);
+}
+
+}  // namespace megatron_tma

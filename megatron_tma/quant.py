@@ -1,0 +1,219 @@
+"""FP8 (e4m3) block quantizers: the numerics of DESIGN.md §3 in the byte layouts of docs/layouts.md.
+
+* ``quantize_1x128``: activations / output gradients for the M-grouped GEMMs, one scale per row per
+  128 columns; ``s`` is an M-contiguous ``[M, ceil(K/128)]`` view.
+* ``quantize_128x128``: weights, one scale per 128x128 block, plus the transposed copy (same bytes,
+  transposed scales) that dgrad multiplies with.
+* ``quantize_grouped_128x1``: wgrad operands, token-contiguous ``qt [K, M]`` with one scale per column
+  per 128-token block of each group (blocks start at a group's first row).
+* ``quantize_1x128_and_grouped_128x1``: the first and the third from one read of x (the backward needs
+  dY in both forms, the forward can keep X^T for wgrad): the same outputs, a third less memory traffic.
+
+Backends: ``backend="auto"`` runs the CUDA kernels (csrc/include/megatron_tma/kernels/quantize.cuh)
+when the input lives on an sm_90 GPU and the extension is built, else ``megatron_tma.reference``;
+``"cuda"`` insists on the kernels, ``"reference"`` forces the oracle. Both give the same bytes. The
+kernels' ops (``torch.ops.megatron_tma.quantize_*``) allocate their outputs themselves (``torch.empty``;
+every byte, padding included, is written by the kernel), never synchronise and never read the group
+tensor on the host, so they can be captured in a CUDA graph and traced by ``torch.compile`` (fake
+implementations are registered below).
+
+Input rules (the same for both backends, so code that runs on the CPU runs on the GPU): a contiguous
+bfloat16 or float16 tensor whose last dim (K) is a multiple of 16; for weights N as well. K and N need
+not be multiples of 128 (edge blocks are partial), though the GEMMs ask for K % 128 == 0.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from . import _ext
+from ._validate import FP8, check_tensor
+from .groups import normalize_groups
+
+__all__ = [
+    "quantize_1x128",
+    "quantize_128x128",
+    "quantize_grouped_128x1",
+    "quantize_1x128_and_grouped_128x1",
+    "INPUT_DTYPES",
+    "MAX_GROUPS",
+]
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+MAX_GROUPS = 8192  # kQuantizeGroupedMaxGroups in csrc/include/megatron_tma/host/quantize.h
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _use_cuda(backend: str, device: torch.device) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    if backend == "reference":
+        return False
+    ok = device.type == "cuda" and _ext.cuda_kernels_available(device)
+    if backend == "cuda" and not ok:
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        _ext.ops()  # raises the "extension not built" error if that is the cause
+        raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
+    return ok
+
+
+def _check_pow2(pow2) -> None:
+    if not isinstance(pow2, bool):
+        raise TypeError(f"pow2 must be a bool, got {type(pow2).__name__}")
+
+
+def _check_dim16(value: int, what: str, op: str) -> None:
+    if value % 16 != 0:
+        raise ValueError(
+            f"{op}: {what} must be a multiple of 16, got {value} (the kernels move rows as 16-byte vectors)"
+        )
+
+
+def quantize_1x128(
+    x: torch.Tensor, pow2: bool = False, *, backend: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations with one scale per row per 128 columns.
+
+    x: bf16/fp16 ``[M, K]``, contiguous, K % 16 == 0. pow2: power-of-two (UE8M0-compatible) scales.
+    Returns ``q`` e4m3 ``[M, K]`` and ``s`` FP32 ``[M, ceil(K/128)]`` with strides ``(1, M_pad)``:
+    a view of storage ``[ceil(K/128), M_pad]``, ``M_pad = ceil(M/4)*4``, pad entries 1.0 (the layout the
+    M-grouped GEMM's TMA reads).
+    """
+    check_tensor(x, "x", INPUT_DTYPES, dim=2)
+    _check_dim16(x.shape[1], "K (the last dim of x)", "quantize_1x128")
+    _check_pow2(pow2)
+    if _use_cuda(backend, x.device):
+        q, s = _ext.ops().quantize_1x128(x, pow2)
+        return q, s
+    from . import reference
+
+    return reference.quantize_1x128(x, pow2)
+
+
+def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "auto"):
+    """Quantize weights with one scale per 128x128 block, and materialise the transposed copy.
+
+    w: bf16/fp16 ``[G, N, K]`` (or ``[N, K]``), contiguous, N % 16 == 0 and K % 16 == 0.
+    Returns ``(q, s, qt, st)``: q e4m3 ``[G, N, K]``, s FP32 ``[G, ceil(N/128), ceil(K/128)]``,
+    qt = q transposed ``[G, K, N]`` (the same bytes) and st = s transposed, all contiguous, in one pass
+    over w. A 2-D w gives the four without the G dim.
+    """
+    check_tensor(w, "w", INPUT_DTYPES)
+    if w.dim() not in (2, 3):
+        raise ValueError(f"w must be [N, K] or [G, N, K], got shape {tuple(w.shape)}")
+    _check_dim16(w.shape[-2], "N (dim -2 of w)", "quantize_128x128")
+    _check_dim16(w.shape[-1], "K (the last dim of w)", "quantize_128x128")
+    _check_pow2(pow2)
+    if not _use_cuda(backend, w.device):
+        from . import reference
+
+        return reference.quantize_128x128(w, pow2)
+    if w.dim() == 2:
+        return tuple(t[0] for t in _ext.ops().quantize_128x128(w.unsqueeze(0), pow2))
+    q, s, qt, st = _ext.ops().quantize_128x128(w, pow2)
+    return q, s, qt, st
+
+
+def _check_grouped_args(x, groups, pow2, num_groups, op):
+    check_tensor(x, "x", INPUT_DTYPES, dim=2)
+    m, k = x.shape
+    _check_dim16(k, "K (the last dim of x)", op)
+    _check_pow2(pow2)
+    groups, is_offsets = normalize_groups(groups, num_groups, m_total=m, device=x.device, name="groups")
+    G = groups.numel() - int(is_offsets)
+    if G > MAX_GROUPS:
+        raise ValueError(f"{op} supports at most {MAX_GROUPS} groups, got G={G}")
+    return groups, G
+
+
+def quantize_grouped_128x1(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    pow2: bool = False,
+    num_groups: Optional[int] = None,
+    *,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize wgrad operands per column over 128-token blocks of each group, transposed.
+
+    x: bf16/fp16 ``[M, K]``, contiguous, K % 16 == 0. groups: int32/int64 sizes ``[G]`` or offsets
+    ``[G+1]`` on x's device (offsets need ``num_groups=G``; see ``groups.normalize_groups``), never
+    read on the host by the CUDA backend; 1 <= G <= 8192.
+    Returns ``qt`` e4m3 ``[K, M]`` with strides ``(M_pitch, 1)`` (storage ``[K, M_pitch]``,
+    ``M_pitch = ceil(M/16)*16``, pitch columns 0) and ``s`` FP32 ``[M//128 + G, K]``: row ``B_g + j``
+    holds block j of group g (``B_g`` = blocks of the groups before g), rows past the last used block 0.
+    """
+    groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
+    if _use_cuda(backend, x.device):
+        qt, s = _ext.ops().quantize_grouped_128x1(x, groups, G, pow2)
+        return qt, s
+    from . import reference
+
+    return reference.quantize_grouped_128x1(x, groups, pow2, num_groups=G)
+
+
+def quantize_1x128_and_grouped_128x1(
+    x: torch.Tensor,
+    groups: torch.Tensor,
+    pow2: bool = False,
+    num_groups: Optional[int] = None,
+    *,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_1x128(x) + quantize_grouped_128x1(x, groups)`` from one read of x.
+
+    Same arguments and rules as ``quantize_grouped_128x1``; returns ``(q, s, qt, s_t)``: the 1x128
+    q and scales (dgrad's / the forward's operand) and the per-group transposed qt and token-block
+    scales (wgrad's operand), byte for byte what the two separate calls return.
+    """
+    groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
+    if _use_cuda(backend, x.device):
+        q, s, qt, s_t = _ext.ops().quantize_1x128_and_grouped_128x1(x, groups, G, pow2)
+        return q, s, qt, s_t
+    from . import reference
+
+    return reference.quantize_1x128(x, pow2) + reference.quantize_grouped_128x1(x, groups, pow2, num_groups=G)
+
+
+# Fake (meta) implementations: shapes and strides of the ops' outputs without running them, so that
+# torch.compile can trace through the quantizers. They mirror the allocations in csrc/binding/quantize.cpp
+# (tests/test_quant_api.py checks them against the reference layouts on meta tensors).
+def _fake_quantize_1x128(x, pow2=False):
+    m, k = x.shape
+    q = x.new_empty((m, k), dtype=FP8)
+    s = x.new_empty((_cdiv(k, 128), _cdiv(m, 4) * 4), dtype=torch.float32)
+    return q, s[:, :m].t()
+
+
+def _fake_quantize_128x128(w, pow2=False):
+    g, n, k = w.shape
+    nb, kb = _cdiv(n, 128), _cdiv(k, 128)
+    return (
+        w.new_empty((g, n, k), dtype=FP8),
+        w.new_empty((g, nb, kb), dtype=torch.float32),
+        w.new_empty((g, k, n), dtype=FP8),
+        w.new_empty((g, kb, nb), dtype=torch.float32),
+    )
+
+
+def _fake_quantize_grouped_128x1(x, groups, num_groups, pow2=False):
+    m, k = x.shape
+    qt = x.new_empty((k, _cdiv(m, 16) * 16), dtype=FP8)
+    return qt[:, :m], x.new_empty((m // 128 + num_groups, k), dtype=torch.float32)
+
+
+def _fake_quantize_1x128_and_grouped_128x1(x, groups, num_groups, pow2=False):
+    return _fake_quantize_1x128(x) + _fake_quantize_grouped_128x1(x, groups, num_groups)
+
+
+if _ext.has_extension():
+    torch.library.register_fake("megatron_tma::quantize_1x128")(_fake_quantize_1x128)
+    torch.library.register_fake("megatron_tma::quantize_128x128")(_fake_quantize_128x128)
+    torch.library.register_fake("megatron_tma::quantize_grouped_128x1")(_fake_quantize_grouped_128x1)
+    torch.library.register_fake("megatron_tma::quantize_1x128_and_grouped_128x1")(
+        _fake_quantize_1x128_and_grouped_128x1
+    )

@@ -1,0 +1,303 @@
+"""CUDA FP8 quantizers on the H200: every output byte (padding included) equal to megatron_tma.reference on
+fresh data, both scale modes, bf16 and fp16, edge shapes and groupings, the NaN/Inf policy, CUDA-graph
+replay with new group sizes, no host synchronisation, torch.compile. Skipped without a Hopper GPU + extension.
+"""
+import pytest
+import torch
+from _dists import EDGE_GROUPINGS, GROUP_FORMATS, group_tensor, make_group_sizes, random_rows
+
+from megatron_tma import _ext
+from megatron_tma import reference as R
+from megatron_tma.quant import quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128, quantize_grouped_128x1
+
+pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
+
+DEV = "cuda"
+INF, NAN = float("inf"), float("nan")
+DTYPES = [torch.bfloat16, torch.float16]
+DTYPE_IDS = ["bf16", "fp16"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+def poison_allocations(*nbytes):
+    """Fill caching-allocator blocks of these sizes with 0x7f bytes (e4m3 NaN, FP32 3.4e38) and free them:
+    the op's outputs of the same sizes most likely reuse them, so a byte the kernel forgets to write shows."""
+    blocks = [torch.full((n,), 0x7F, dtype=torch.uint8, device=DEV) for n in nbytes if n > 0]
+    del blocks
+
+
+def storage_2d(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The whole row-major [rows, cols] storage behind a strided view (padding included)."""
+    return torch.as_strided(t, (rows, cols), (cols, 1), t.storage_offset())
+
+
+def assert_same_layout(out: torch.Tensor, ref: torch.Tensor):
+    """dtype, shape and strides (those of size-1 dims are meaningless and not compared)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
+    assert all(a == b for a, b, n in zip(out.stride(), ref.stride(), out.shape) if n > 1), (out.stride(), ref.stride())
+
+
+def assert_fp8_equal(out: torch.Tensor, ref: torch.Tensor):
+    assert out.dtype == torch.float8_e4m3fn and out.device.type == "cuda"
+    assert_same_layout(out, ref)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), _first_diff(out.view(torch.uint8), ref.view(torch.uint8))
+
+
+def assert_scales_equal(out: torch.Tensor, ref: torch.Tensor):
+    """Bit equality; NaN scales (the NaN policy) only need to be NaN in both, their payload is not pinned."""
+    assert out.dtype == torch.float32
+    assert_same_layout(out, ref)
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan)
+    zero = torch.zeros((), device=out.device)
+    a, b = torch.where(nan, zero, out).view(torch.int32), torch.where(nan, zero, ref).view(torch.int32)
+    assert torch.equal(a, b), _first_diff(a, b)
+
+
+def _first_diff(a, b):
+    idx = (a != b).nonzero()
+    if idx.numel() == 0:
+        return "equal"
+    i = tuple(idx[0].tolist())
+    return f"{idx.shape[0]} differences, first at {i}: got {a[i].item()}, expected {b[i].item()}"
+
+
+def special_rows(m: int, k: int, gen: torch.Generator, dtype) -> torch.Tensor:
+    """Random rows with per-row magnitudes, then hand-made blocks: a zero block, exact +-448, values
+    far beyond 448, a constant block, denormal-range rows and (bf16) rows near the amax floor 2^-119."""
+    x = random_rows(m, k, gen, torch.float32, spread=6 if dtype == torch.float16 else 20)
+    if m >= 8 and k >= 32:
+        x[0, : min(k, 128)] = 0.0                   # an all-zero block (scale 1, data 0)
+        x[1, :16] = torch.tensor([448.0, -448.0] * 8)  # amax exactly 448: scale 1
+        x[2, 5] = 3.0e4                             # one huge value dominating its block
+        x[3, :] = -0.0                              # negative zeros keep their sign
+        x[4, :] = 1.0
+        tiny = 2.0 ** -130 if dtype == torch.bfloat16 else 2.0 ** -20
+        x[5] = torch.randn(k, generator=gen) * tiny  # denormal range (bf16: below the amax floor)
+        x[6, ::3] = 0.0
+        if dtype == torch.bfloat16:
+            x[7] = torch.randn(k, generator=gen) * 2.0 ** 100
+    return x.to(dtype).to(DEV)
+
+
+def expected_1x128_storage(m, k):
+    return -(-k // 128), -(-m // 4) * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# 1x128
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+@pytest.mark.parametrize("m,k", [(1, 16), (3, 112), (8, 128), (13, 400), (127, 256), (129, 2064), (1000, 7168), (4099, 1024)])
+def test_1x128_matches_reference(gen, dtype, pow2, m, k):
+    x = special_rows(m, k, gen, dtype)
+    kb, m_pad = expected_1x128_storage(m, k)
+    poison_allocations(m * k, kb * m_pad * 4)
+    q, s = quantize_1x128(x, pow2, backend="cuda")
+    rq, rs = R.quantize_1x128(x, pow2)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(s, rs)
+    assert_scales_equal(storage_2d(s.t(), kb, m_pad), storage_2d(rs.t(), kb, m_pad))  # pad entries 1.0
+
+
+def test_1x128_empty():
+    q, s = quantize_1x128(torch.zeros(0, 256, dtype=torch.bfloat16, device=DEV), backend="cuda")
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# 128x128
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+@pytest.mark.parametrize("shape", [(1, 16, 16), (1, 128, 128), (2, 144, 272), (3, 400, 128), (5, 256, 1040), (4, 1024, 4096)])
+def test_128x128_matches_reference(gen, dtype, pow2, shape):
+    g, n, k = shape
+    w = special_rows(g * n, k, gen, dtype).view(g, n, k)
+    nb, kb = -(-n // 128), -(-k // 128)
+    poison_allocations(g * n * k, g * nb * kb * 4, g * k * n, g * kb * nb * 4)
+    out = quantize_128x128(w, pow2, backend="cuda")
+    ref = R.quantize_128x128(w, pow2)
+    for o, r in zip(out, ref):
+        (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
+
+
+def test_128x128_two_dimensional_weight(gen):
+    w = special_rows(272, 400, gen, torch.bfloat16)
+    for o, r in zip(quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)):
+        assert o.dim() == 2
+        (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-group 128x1
+# ------------------------------------------------------------------------------------------------
+def run_grouped(x, sizes, fmt=("sizes", torch.int64), pow2=False):
+    groups = group_tensor(sizes, fmt, DEV)
+    num_groups = len(sizes) if fmt[0] == "offsets" else None
+    m, k = x.shape
+    m_pitch = -(-m // 16) * 16
+    poison_allocations(k * m_pitch, (m // 128 + len(sizes)) * k * 4)
+    qt, s = quantize_grouped_128x1(x, groups, pow2, num_groups=num_groups, backend="cuda")
+    rqt, rs = R.quantize_grouped_128x1(x, groups, pow2, num_groups=num_groups)
+    assert_fp8_equal(qt, rqt)
+    assert_fp8_equal(storage_2d(qt, k, m_pitch), storage_2d(rqt, k, m_pitch))  # pitch columns 0
+    assert_scales_equal(s, rs)  # unused rows 0
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_GROUPINGS))
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+def test_grouped_edge_groupings(gen, name, pow2):
+    sizes = EDGE_GROUPINGS[name]
+    run_grouped(special_rows(sum(sizes), 272, gen, torch.bfloat16), sizes, pow2=pow2)
+
+
+@pytest.mark.parametrize("fmt", GROUP_FORMATS, ids=lambda f: f"{f[0]}-{str(f[1]).replace('torch.', '')}")
+def test_grouped_every_group_format(gen, fmt):
+    sizes = [0, 1, 127, 128, 129, 0, 300, 7]
+    run_grouped(special_rows(sum(sizes), 144, gen, torch.bfloat16), sizes, fmt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+@pytest.mark.parametrize("m,k,g,dist", [(1000, 1024, 8, "paper"), (3001, 208, 32, "with_empty"), (20000, 2048, 32, "paper"),
+                                        (4096, 512, 4, "one_group"), (5000, 256, 256, "skewed"), (2000, 128, 256, "with_empty")])
+def test_grouped_distributions(gen, dtype, pow2, m, k, g, dist):
+    sizes = make_group_sizes(m, g, dist, seed=m + g).tolist()
+    run_grouped(special_rows(m, k, gen, dtype), sizes, pow2=pow2)
+
+
+def test_grouped_every_start_alignment(gen):
+    # group starts at every residue mod 16 and blocks ending at every residue: the unaligned head/tail stores
+    sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1]
+    run_grouped(special_rows(sum(sizes), 64, gen, torch.bfloat16), sizes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+@pytest.mark.parametrize("case", ["edges", "alignments", "paper", "g256", "empty"])
+def test_fused_1x128_and_grouped_matches_reference(gen, dtype, pow2, case):
+    sizes, k = {
+        "edges": ([0, 1, 127, 128, 129], 272),
+        "alignments": ([1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 0, 610], 64),
+        "paper": (make_group_sizes(20000, 32, "paper", seed=7).tolist(), 2048),
+        "g256": (make_group_sizes(5000, 256, "with_empty", seed=8).tolist(), 144),
+        "empty": ([0, 0, 0], 32),
+    }[case]
+    m = sum(sizes)
+    x = special_rows(m, k, gen, dtype)
+    groups = group_tensor(sizes, ("offsets", torch.int32), DEV)
+    kb, m_pad, m_pitch = -(-k // 128), -(-m // 4) * 4, -(-m // 16) * 16
+    poison_allocations(m * k, kb * m_pad * 4, k * m_pitch, (m // 128 + len(sizes)) * k * 4)
+    q, s, qt, s_t = quantize_1x128_and_grouped_128x1(x, groups, pow2, num_groups=len(sizes), backend="cuda")
+    rq, rs = R.quantize_1x128(x, pow2)
+    rqt, rs_t = R.quantize_grouped_128x1(x, groups, pow2, num_groups=len(sizes))
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(storage_2d(s.t(), kb, m_pad), storage_2d(rs.t(), kb, m_pad))
+    assert_scales_equal(s, rs)
+    assert_fp8_equal(storage_2d(qt, k, m_pitch), storage_2d(rqt, k, m_pitch))
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s_t, rs_t)
+
+
+def test_grouped_empty_tokens():
+    x = torch.zeros(0, 32, dtype=torch.bfloat16, device=DEV)
+    qt, s = quantize_grouped_128x1(x, torch.zeros(3, dtype=torch.int32, device=DEV), backend="cuda")
+    assert qt.shape == (32, 0) and s.shape == (3, 32) and not s.any()
+
+
+# ------------------------------------------------------------------------------------------------
+# NaN / Inf policy
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
+def test_nan_inf_policy(pow2):
+    x = torch.ones(300, 256)
+    x[0, 3], x[0, 4], x[0, 5] = INF, -INF, -2.0  # amax = Inf: finite -> +-0, +-Inf -> NaN
+    x[1, 7] = NAN
+    x[2, 1], x[2, 2] = NAN, INF                  # NaN wins over Inf
+    x[3, 0] = -NAN
+    x[200, 130] = -INF
+    x = x.bfloat16().to(DEV)
+    q, s = quantize_1x128(x, pow2, backend="cuda")
+    rq, rs = R.quantize_1x128(x, pow2)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(s, rs)
+    for o, r in zip(quantize_128x128(x[:288].view(2, 144, 256), pow2, backend="cuda"),
+                    R.quantize_128x128(x[:288].view(2, 144, 256), pow2)):
+        (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
+    run_grouped(x, [3, 150, 147], pow2=pow2)
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA graphs, host synchronisation, torch.compile
+# ------------------------------------------------------------------------------------------------
+def test_cuda_graph_replay_with_new_sizes(gen):
+    m, k, g = 1000, 256, 8
+    x = special_rows(m, k, gen, torch.bfloat16)
+    sizes = torch.full((g,), m // g, dtype=torch.int32, device=DEV)
+
+    def step():
+        return quantize_grouped_128x1(x, sizes, backend="cuda"), quantize_1x128(x, backend="cuda")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (qt, s), (q, s1) = step()
+
+    for new in ([1000] + [0] * 7, [0, 1, 127, 128, 129, 0, 300, 315], [0] * 7 + [1000], [3] * 7 + [979]):
+        sizes.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        rqt, rs = R.quantize_grouped_128x1(x, sizes)
+        assert_fp8_equal(qt, rqt)
+        assert_scales_equal(s, rs)
+        rq, rs1 = R.quantize_1x128(x)
+        assert_fp8_equal(q, rq)
+        assert_scales_equal(s1, rs1)
+
+
+def test_no_host_synchronisation(gen):
+    x = special_rows(700, 256, gen, torch.bfloat16)
+    sizes = torch.tensor([0, 200, 1, 499], dtype=torch.int64, device=DEV)
+    offsets = torch.tensor([0, 0, 200, 201, 700], dtype=torch.int32, device=DEV)
+    w = special_rows(256, 512, gen, torch.bfloat16).view(2, 128, 512)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode does catch a host read
+            sizes.sum().item()
+        quantize_1x128(x, backend="cuda")
+        quantize_1x128(x, True, backend="cuda")
+        quantize_128x128(w, backend="cuda")
+        quantize_grouped_128x1(x, sizes, backend="cuda")
+        quantize_grouped_128x1(x, offsets, True, num_groups=4, backend="cuda")
+        quantize_1x128_and_grouped_128x1(x, sizes, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_torch_compile_traces_the_ops(gen):
+    """The fake implementations give torch.compile the ops' shapes and strides (fullgraph: no break)."""
+    x = special_rows(300, 256, gen, torch.bfloat16)
+    w = special_rows(256, 384, gen, torch.bfloat16).view(2, 128, 384)
+    offsets = torch.tensor([0, 100, 100, 300], dtype=torch.int64, device=DEV)
+    ops = _ext.ops()
+
+    def step(x, w, offsets):
+        return (ops.quantize_1x128(x, False), ops.quantize_128x128(w, True), ops.quantize_grouped_128x1(x, offsets, 3, False),
+                ops.quantize_1x128_and_grouped_128x1(x, offsets, 3, True))
+
+    eager = step(x, w, offsets)
+    compiled = torch.compile(step, fullgraph=True)(x, w, offsets)
+    for e, c in zip(torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(compiled)):
+        (assert_fp8_equal if e.dtype == torch.float8_e4m3fn else assert_scales_equal)(c, e)
+    qt, s = torch.compile(lambda x, g: quantize_grouped_128x1(x, g, num_groups=3))(x, offsets)
+    assert_fp8_equal(qt, eager[2][0])
+    assert_scales_equal(s, eager[2][1])
