@@ -70,15 +70,19 @@ def m_grouped_fp8_gemm(
     groups: torch.Tensor,
     out: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    block_n: int = 0,
 ) -> torch.Tensor:
     """`out[rows of g] = (a[rows of g] * sa) . (b[g] * sb)^T` in BF16, for every group g.
 
     a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
     out: optional BF16 `[M, N]` (unit column stride; may be a row slice of a larger buffer). Rows are written
-    only inside groups; nothing outside `out` is touched.
+    only inside groups; nothing outside `out` is touched. block_n: output tile width, 128 or 256 (0: the
+    kernel's wave heuristic; the result is the same bit for bit, only the speed differs).
     """
     m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
+    if block_n not in (0, 128, 256):
+        raise ValueError(f"block_n must be 0 (auto), 128 or 256, got {block_n!r}")
     device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales, groups=groups, out=out)
     groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
     if out is not None:
@@ -92,7 +96,7 @@ def m_grouped_fp8_gemm(
     if _use_cuda(backend, device):
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out)
+        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, block_n)
         return out
     from . import reference
 
@@ -113,7 +117,7 @@ def padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=None, align:
 if _ext.has_extension():
 
     @torch.library.register_fake("megatron_tma::m_grouped_fp8_gemm_out")
-    def _(a, a_scales, b, b_scales, groups, out):  # mutates `out` only
+    def _(a, a_scales, b, b_scales, groups, out, block_n=0):  # mutates `out` only
         return None
 
 

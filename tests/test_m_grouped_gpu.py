@@ -175,3 +175,12 @@ def test_op_rejects_bad_geometry():
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, bs, groups[:1], torch.empty(m, n, dtype=torch.bfloat16, device=DEV))
     with pytest.raises(RuntimeError, match="out must be"):
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, bs, groups, torch.empty(m, n, device=DEV))
+
+
+@pytest.mark.parametrize("m,n,k,g,dist", [(3000, 1408, 1024, 8, "paper"), (777, 768, 2048, 3, "with_empty"),
+                                          (20000, 4096, 1024, 16, "skewed"), (129, 256, 128, 1, "one_group")])
+def test_block_n_variants_agree_bit_for_bit(m, n, k, g, dist):
+    """128- and 256-wide tiles (two 128-column halves) compute each element identically."""
+    out, _, args = _run(m, n, k, g, dist, seed=m * 3 + n)
+    assert torch.equal(m_grouped_fp8_gemm(*args, block_n=128), out)
+    assert torch.equal(m_grouped_fp8_gemm(*args, block_n=256), out)

@@ -22,7 +22,7 @@ megatron_tma::GroupsArg groups_arg(const at::Tensor& groups, int64_t num_groups)
 }
 
 void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
-                            const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out) {
+                            const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out, int64_t block_n) {
   TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kFloat8_e4m3fn && a.dim() == 2 && a.is_contiguous(),
               "a must be a contiguous float8_e4m3fn [M, K] CUDA tensor");
   TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kFloat8_e4m3fn && b.dim() == 3 && b.is_contiguous(),
@@ -45,6 +45,7 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
                   out.size(1) == N && out.stride(1) == 1 && out.stride(0) % 8 == 0 && aligned16(out),
               "out must be a BF16 [M, N] tensor with unit column stride and 16-byte aligned rows");
   TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
+  TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 256, "block_n must be 0 (auto), 128 or 256, got ", block_n);
   c10::cuda::CUDAGuard guard(a.device());
   megatron_tma::MGroupedGemmArgs args{};
   args.a = a.data_ptr();
@@ -58,6 +59,7 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
   args.n = static_cast<int>(N);
   args.k = static_cast<int>(K);
   args.groups = groups_arg(groups, G);
+  args.block_n = static_cast<int>(block_n);
   const cudaError_t err = megatron_tma::m_grouped_fp8_gemm(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "m_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
 }
@@ -67,7 +69,7 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
   m.def(
       "m_grouped_fp8_gemm_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor groups, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, int block_n=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("m_grouped_fp8_gemm_out", &m_grouped_fp8_gemm_out); }

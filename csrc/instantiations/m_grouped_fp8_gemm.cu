@@ -5,7 +5,9 @@
 namespace megatron_tma {
 namespace {
 
-using Config = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
+using ConfigN128 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
+using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
+constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
 
 int sm_count() {
   int dev = 0, n = 0;
@@ -16,9 +18,28 @@ int sm_count() {
 
 }  // namespace
 
-int m_grouped_fp8_gemm_max_groups() { return Config::kMaxGroups; }
+int m_grouped_fp8_gemm_max_groups() { return ConfigN128::kMaxGroups; }
+
+template <class Config>
+cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream);
 
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
+  static const int num_sms = sm_count();
+  int block_n = args.block_n;
+  if (block_n == 0) {
+    // Wave heuristic: 128 x 256 tiles halve the B traffic per FLOP of 128 x 128 ones; take them when N is a
+    // multiple of 256 and even the unpadded lower bound on tiles (M/128 row tiles) fills two waves.
+    const long long tiles256 = static_cast<long long>(args.m_total / 128) * (args.n / 256);
+    block_n = (args.n % 256 == 0 && tiles256 >= 2LL * num_sms) ? 256 : 128;
+  }
+  if (block_n == 256 && ConfigN256::smem_bytes(args.groups.num_groups) > kMaxSmem) block_n = 128;
+  if (block_n == 256) return launch<ConfigN256>(args, stream);
+  if (block_n == 128) return launch<ConfigN128>(args, stream);
+  return cudaErrorInvalidValue;
+}
+
+template <class Config>
+cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   const int G = args.groups.num_groups;
   if (args.k <= 0 || args.k % Config::BLOCK_K != 0 || args.n <= 0 || args.n % 16 != 0 || G < 1 ||
       G > Config::kMaxGroups || args.m_total < 0 || args.a_scales_ld < args.m_total || args.a_scales_ld % 4 != 0 ||

@@ -67,21 +67,22 @@ struct KGroupedGemmConfig {
 };
 
 // Copy tokens [shift, shift + 128) of one staging row into 16-byte chunk `chunk` of a 128B-swizzled tile
-// row, zeroing tokens at or past `valid`.
-__device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t* tile, int row, int chunk, int shift,
-                                              int valid) {
+// row, zeroing tokens at or past `valid`. Q = shift / 4 is a template parameter so that the word selection
+// is static; the two 16-byte loads of a quarter-warp cover one contiguous 128-byte row segment (no bank
+// conflicts), as do the swizzled 16-byte stores.
+template <int Q>
+__device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t* tile, int row, int chunk,
+                                              uint32_t bits, int valid) {
   uint4 v = make_uint4(0, 0, 0, 0);
   const int first = 16 * chunk;
   if (first < valid) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(stage_row) + (shift >> 2) + 4 * chunk;
-    const uint32_t bits = 8 * (shift & 3);
-    uint32_t x[5];
-#pragma unroll
-    for (int i = 0; i < 5; ++i) x[i] = w[i];
-    v.x = __funnelshift_r(x[0], x[1], bits);
-    v.y = __funnelshift_r(x[1], x[2], bits);
-    v.z = __funnelshift_r(x[2], x[3], bits);
-    v.w = __funnelshift_r(x[3], x[4], bits);
+    const uint4 lo = *reinterpret_cast<const uint4*>(stage_row + first);
+    const uint4 hi = *reinterpret_cast<const uint4*>(stage_row + first + 16);
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    v.x = __funnelshift_r(w[Q + 0], w[Q + 1], bits);
+    v.y = __funnelshift_r(w[Q + 1], w[Q + 2], bits);
+    v.z = __funnelshift_r(w[Q + 2], w[Q + 3], bits);
+    v.w = __funnelshift_r(w[Q + 3], w[Q + 4], bits);
     const int keep = valid - first;  // bytes of this chunk that are real tokens
     if (keep < 16) {
       uint32_t* u = reinterpret_cast<uint32_t*>(&v);
@@ -93,6 +94,17 @@ __device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t*
     }
   }
   *reinterpret_cast<uint4*>(tile + sw128_offset(row, chunk)) = v;
+}
+
+// One block's realignment by the 256 math threads: 2 operands x 128 rows x 8 chunks.
+template <int Q, class Cfg>
+__device__ __forceinline__ void realign_block(const uint8_t* stage, uint8_t* tiles, int mtid, uint32_t bits, int valid) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
+    realign_chunk<Q>(stage + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, tiles + op * Cfg::TILE_BYTES, row, chunk,
+                     bits, valid);
+  }
 }
 
 template <class Cfg>
@@ -155,11 +167,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     auto realign = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
       const uint8_t* s = stage_ptr(at.stage);
       uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {  // 2 operands x 128 rows x 8 chunks over 256 threads
-        const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
-        realign_chunk(s + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, tiles + op * Cfg::TILE_BYTES, row, chunk,
-                      shift, valid);
+      const uint32_t bits = 8u * (shift & 3);
+      switch (shift >> 2) {  // uniform over the CTA: one branch per group
+        case 0: realign_block<0, Cfg>(s, tiles, mtid, bits, valid); break;
+        case 1: realign_block<1, Cfg>(s, tiles, mtid, bits, valid); break;
+        case 2: realign_block<2, Cfg>(s, tiles, mtid, bits, valid); break;
+        default: realign_block<3, Cfg>(s, tiles, mtid, bits, valid); break;
       }
       fence_proxy_async_smem();
     };
