@@ -53,7 +53,7 @@ def _check_m_grouped_args(a, a_scales, b, b_scales):
             "a_scales must be the M-contiguous view returned by quantize_1x128 (stride (1, ld)), "
             f"got strides {a_scales.stride()}"
         )
-    if k // 128 > 1 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
+    if m > 0 and k // 128 > 1 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
         raise ValueError(f"a_scales' row pitch must be >= M and a multiple of 4, got {a_scales.stride(1)}")
     if tuple(b_scales.shape) != (g, (n + 127) // 128, k // 128):
         raise ValueError(

@@ -56,12 +56,13 @@ struct KGroupedGemmConfig {
   static constexpr int SCALE_BYTES = 128 * 4;
   static constexpr int TX_BYTES = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_TILES = 0;                         // 2 buffers x [A tile, B tile]
-  static constexpr int OFF_STAGE = OFF_TILES + 4 * TILE_BYTES;  // ring: [A stage, B stage, sa, sb] per stage
+  static constexpr int OFF_SCALES = OFF_TILES + 4 * TILE_BYTES;  // 2 buffers x [sa, sb], beside the tiles
+  static constexpr int OFF_STAGE = OFF_SCALES + 4 * SCALE_BYTES;  // ring: [A stage, B stage, sa, sb] per stage
   static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
-  static constexpr int kMaxGroups = 2048;
+  static constexpr int kMaxGroups = 1024;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
   static_assert(STAGE_SLOT % 128 == 0, "staging slots keep 128-byte alignment");
 };
@@ -163,8 +164,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     float acc[Mma::kRegs], part[Mma::kRegs];
     PipelineState<Cfg::STAGES> st;
-    // Realign one block's staging window into tile buffer `buf` (A then B), visible to the tensor cores.
-    auto realign = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
+    // Move one block out of its staging slot: realign its bytes into tile buffer `buf` (visible to the
+    // tensor cores), copy its row/column scales beside it, and hand the slot back to the producer, so that
+    // loads run up to STAGES blocks ahead of the math.
+    auto unstage = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
       const uint8_t* s = stage_ptr(at.stage);
       uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
       const uint32_t bits = 8u * (shift & 3);
@@ -174,7 +177,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         case 2: realign_block<2, Cfg>(s, tiles, mtid, bits, valid); break;
         default: realign_block<3, Cfg>(s, tiles, mtid, bits, valid); break;
       }
+      reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES)[mtid] =
+          reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES)[mtid];  // sa then sb: 256 floats
       fence_proxy_async_smem();
+      pipe.consumer_release(at, lane);
     };
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -186,17 +192,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       const int shift = tile.token_start & 15;  // the same for every block of the group
       if (blocks > 0) {
         pipe.consumer_wait(st);
-        realign(st, 0, shift, min(128, tile.tokens));
+        unstage(st, 0, shift, min(128, tile.tokens));
         named_barrier_sync(3, 256);
       }
 
       for (int j = 0; j < blocks; ++j, st.advance()) {
         const int buf = j & 1;
         const uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
-        const uint8_t* s = stage_ptr(st.stage);
-        const float* sa = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES) + 64 * mwg;
-        const float* sb = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES);
-        const float sa0 = sa[r0], sa1 = sa[r0 + 8];
+        const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
+        const float* sb = sa + 128;
+        const float sa0 = sa[64 * mwg + r0], sa1 = sa[64 * mwg + r0 + 8];
         // Issue block j on the tensor cores ...
         const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
         const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
@@ -205,18 +210,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
         for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), part, k > 0);
         wgmma_commit();
-        // ... and realign block j+1 into the other buffer meanwhile (its wgmma j-1 finished before the last barrier).
+        // ... and move block j+1 into the other buffers meanwhile (block j-1's wgmma and promotion, their
+        // last readers, finished before the previous barrier).
         if (j + 1 < blocks) {
           PipelineState<Cfg::STAGES> next = st;
           next.advance();
           pipe.consumer_wait(next);
-          realign(next, buf ^ 1, shift, min(128, tile.tokens - 128 * (j + 1)));
+          unstage(next, buf ^ 1, shift, min(128, tile.tokens - 128 * (j + 1)));
         }
         wgmma_wait<0>();
         fence_regs(part);
         promote_row_col_scaled(acc, part, sa0, sa1, sb + 2 * (lane % 4));
-        pipe.consumer_release(st, lane);  // staging bytes and scales of block j are no longer read
-        // Both warpgroups are done with buffer `buf` and have written buffer `buf ^ 1`.
+        // Both warpgroups are done with buffers `buf` and have filled buffers `buf ^ 1`.
         named_barrier_sync(3, 256);
       }
 

@@ -1,0 +1,317 @@
+"""The FP8 grouped linear layer as an autograd Function: `Y_g = X_g . W_g^T` for G groups of rows, unpadded.
+
+Forward quantizes X (1x128) and runs the M-grouped GEMM against the 128x128-quantized weights; it saves for
+backward the column-quantized X (per-group 128x1 token blocks, FP8, as wgrad reads it) instead of the BF16 X.
+Backward quantizes dY as 1x128 rows for dgrad (`dX = dY . W`, the M-grouped GEMM on the cached W^T copy) and as
+per-group 128x1 columns for wgrad (`dW_g = dY_g^T . X_g`, the K-grouped GEMM). DESIGN.md §3 fixes every rounding,
+so the padded layout gives the same bits (tests/test_autograd.py, tests/test_mlp_gpu.py).
+
+Weights are one stacked `[G, N, K]` tensor or G `[N, K]` tensors (Transformer Engine's `GroupedLinear` layout,
+which keeps Megatron checkpoints interchangeable). G separate tensors that lie back to back in one storage (as
+`megatron_tma.mlp` allocates them) are used through a free `[G, N, K]` view; otherwise they are stacked once per
+quantization (a transient BF16 copy), which the cache below makes once per weight version.
+
+Weight gradients (Megatron's convention): a weight with a `main_grad` attribute (a tensor of its shape, FP32 or
+BF16) gets its gradient accumulated there, its `.grad` stays None (the Function returns None for it; the
+AccumulateGrad hooks Megatron's DDP registers still fire) and, if it has the attribute, `grad_added_to_main_grad`
+is set to True, the flag that hook reads. Weights without `main_grad` get a gradient of their own dtype in `.grad`.
+Either all weights of one call carry `main_grad` or none. FP32 `main_grad`s that form one `[G, N, K]` block (one
+tensor, or G tensors back to back in expert order, as Megatron's grad buffer lays out consecutive parameters) are
+accumulated by the K-grouped GEMM itself (`D = C + dY^T . X` in FP32); otherwise the GEMM writes an FP32
+`[G, N, K]` temporary that one foreach add folds into them (for FP32 the same sums bit for bit, except that an
+empty group turns a -0 into +0; for BF16 one rounding of the FP32 sum).
+
+Backends: `backend="cuda" | "reference" | "auto"` goes to every quantizer and GEMM call. No host read of the group
+tensor happens here (the reference backend reads it inside the kernels' stand-ins), so on the CUDA backend the
+forward and backward are CUDA-graph capturable and free of host synchronisation.
+"""
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import gemm, quant
+from ._validate import check_same_device, check_tensor
+from .groups import normalize_groups
+
+__all__ = [
+    "QuantizedWeights",
+    "FP8WeightCache",
+    "quantize_weights",
+    "fp8_grouped_linear",
+    "stacked_view",
+    "stack_weights",
+]
+
+BACKENDS = ("auto", "cuda", "reference")
+WEIGHT_DTYPES = (torch.bfloat16,)
+MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+Weights = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class QuantizedWeights(NamedTuple):
+    """The FP8 operands of one set of G weights (docs/layouts.md, 128x128 weights)."""
+
+    q: torch.Tensor  # e4m3 [G, N, K]: forward
+    s: torch.Tensor  # FP32 [G, N/128, K/128]
+    qt: torch.Tensor  # e4m3 [G, K, N]: the same bytes transposed, for dgrad
+    st: torch.Tensor  # FP32 [G, K/128, N/128]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weight stacking
+# --------------------------------------------------------------------------------------------------------------
+
+
+def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A `[G, *shape]` view of G same-shaped contiguous tensors that lie back to back, in order, in one storage.
+
+    Returns None when they do not (then a caller must copy). Reads only metadata, cheaply: it sits on every
+    call's path with G up to hundreds. Adjacent pointers inside the first tensor's storage mean one storage
+    (two live storages never overlap). The view is detached: an operand, not a node of the autograd graph.
+    """
+    first = tensors[0]
+    shape, dtype = first.shape, first.dtype
+    step = first.numel() * first.element_size()
+    base = first.data_ptr()
+    for i, t in enumerate(tensors):
+        if t.data_ptr() != base + i * step or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+            return None
+    storage = first.untyped_storage()
+    if base - storage.data_ptr() + len(tensors) * step > storage.nbytes():
+        return None
+    return first.detach().as_strided((len(tensors),) + tuple(shape), (first.numel(),) + first.stride())
+
+
+def _stack_detached(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(weights) == 1 and weights[0].dim() == 3:
+        return weights[0].detach()
+    view = stacked_view(weights)
+    return view if view is not None else torch.stack([w.detach() for w in weights])
+
+
+class _StackWeights(torch.autograd.Function):
+    """Differentiable `torch.stack` that is a free view when the weights already lie back to back."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        return _stack_detached(weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
+def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """G `[N, K]` tensors as one `[G, N, K]` tensor whose gradient flows back to each (a view if they are
+    adjacent in one storage, else a copy). For consumers of a stacked weight such as `torch._grouped_mm`."""
+    return _StackWeights.apply(*weights)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weight quantization and its cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _as_weights(weight: Weights) -> Tuple[torch.Tensor, ...]:
+    """The weights as a tuple (a stacked weight as a 1-tuple), the first one checked (the others are checked
+    when they are quantized)."""
+    if isinstance(weight, torch.Tensor):
+        check_tensor(weight, "weight", WEIGHT_DTYPES, dim=3)
+        return (weight,)
+    weights = tuple(weight)
+    if not weights:
+        raise ValueError("weight must be a [G, N, K] tensor or a non-empty sequence of G [N, K] tensors")
+    if len(weights) == 1 and isinstance(weights[0], torch.Tensor) and weights[0].dim() == 3:
+        check_tensor(weights[0], "weight", WEIGHT_DTYPES, dim=3)
+    else:
+        check_tensor(weights[0], "weight 0", WEIGHT_DTYPES, dim=2, contiguous=False)
+    return weights
+
+
+def _check_weights(weights: Tuple[torch.Tensor, ...]) -> None:
+    """G [N, K] tensors of one shape, dtype and device (any strides: they are stacked if not adjacent)."""
+    first = weights[0]
+    shape, dtype, device = first.shape, first.dtype, first.device
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or w.shape != shape or w.dtype != dtype or w.device != device:
+            got = f"{tuple(w.shape)} {w.dtype} on {w.device}" if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(
+                f"all weights must have one shape, dtype and device: weight 0 is {tuple(shape)} {dtype} on "
+                f"{device}, weight {i} is {got}"
+            )
+
+
+def quantize_weights(weight: Weights, pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
+    """128x128-block FP8 copies of G weights (one `[G, N, K]` tensor or G `[N, K]` tensors), with the transposed
+    copy that dgrad multiplies with."""
+    weights = _as_weights(weight)
+    _check_weights(weights)
+    with torch.no_grad():
+        q, s, qt, st = quant.quantize_128x128(_stack_detached(weights), pow2, backend=backend)
+    return QuantizedWeights(q, s, qt, st)
+
+
+class FP8WeightCache:
+    """The FP8 copies of one set of weights, re-made only when the weights change (once per optimizer step).
+
+    The key is every weight's data pointer and version counter, plus the first weight's shape, dtype and device
+    and the scale mode (strides are not part of it: a weight re-viewed in place is not seen). The version counter
+    moves with every in-place write through the parameter or a view of it (optimizer steps, `load_state_dict`,
+    `with torch.no_grad(): w.add_(...)`). It does NOT move with writes through `w.data` or through another tensor
+    that merely shares the memory -- which is how Megatron's distributed optimizer updates its parameter buffer.
+    After such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so whenever Megatron sets their
+    `is_first_microbatch` flag, as it does for Transformer Engine's modules.
+
+    The entry holds a detached alias of every weight, so that while it lives the memory of a replaced weight
+    cannot be handed to a new tensor that would then match the old pointer and version. Under CUDA-graph capture
+    a hit records no quantization: invalidate before capturing if the graph must re-quantize on replay.
+    One cache belongs to one layer (its owner), never to the process.
+    """
+
+    def __init__(self) -> None:
+        self._key = None
+        self._aliases: Tuple[torch.Tensor, ...] = ()
+        self._value: Optional[QuantizedWeights] = None
+
+    def invalidate(self) -> None:
+        """Drop the FP8 copies; the next `get` quantizes again."""
+        self._key, self._aliases, self._value = None, (), None
+
+    def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
+        """The FP8 copies of `weights` (a `[G, N, K]` tensor in a 1-tuple, or G `[N, K]` tensors), quantized now
+        if any weight changed. The weights are checked when they are quantized; a hit proves them unchanged, so
+        the per-call host cost is one pointer and one version read per weight."""
+        first = weights[0]
+        key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
+               tuple(w._version for w in weights))
+        if key != self._key or self._value is None:
+            self.invalidate()  # free the stale copies before making new ones: one copy at a time at the peak
+            self._value = quantize_weights(weights, pow2, backend)
+            self._aliases = tuple(w.detach() for w in weights)
+            self._key = key
+        return self._value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The autograd Function
+# --------------------------------------------------------------------------------------------------------------
+
+# Positions in forward's inputs (x, groups, q, s, qt, st, backend, pow2, *weights) of x and the first weight.
+_X, _WEIGHTS = 0, 8
+
+
+def _forward(x, groups, q, s, backend, pow2):
+    xq, xs = quant.quantize_1x128(x, pow2, backend=backend)
+    return gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
+
+
+class _FP8GroupedLinear(torch.autograd.Function):
+    """y = grouped(x . W^T); the weights come in pre-quantized (q, s, qt, st) and, after the options, as the
+    parameters themselves, only so that their gradients (or `main_grad`s) can be routed."""
+
+    @staticmethod
+    def forward(ctx, x, groups, q, s, qt, st, backend, pow2, *weights):
+        y = _forward(x, groups, q, s, backend, pow2)
+        need_dx = ctx.needs_input_grad[_X]
+        need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
+        xt = xt_s = None
+        if need_dw:  # wgrad's operand, already in FP8: X is not kept in BF16
+            xt, xt_s = quant.quantize_grouped_128x1(x, groups, pow2, num_groups=q.shape[0], backend=backend)
+        ctx.backend, ctx.pow2, ctx.num_groups = backend, pow2, q.shape[0]
+        ctx.save_for_backward(groups, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        groups, xt, xt_s, qt, st, *weights = ctx.saved_tensors
+        backend, pow2 = ctx.backend, ctx.pow2
+        dy = dy.contiguous()
+        dx = None
+        if ctx.needs_input_grad[_X]:
+            dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
+            dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
+            del dyq, dy_s
+        wgrads = [None] * len(weights)
+        if xt is not None:
+            dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
+            wgrads = _weight_grads(weights, ctx.needs_input_grad[_WEIGHTS:], dyt, dyt_s, xt, xt_s, groups, backend)
+        return (dx, None, None, None, None, None, None, None, *wgrads)
+
+
+def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
+    """Route dW = dY^T . X to `.grad` (returned) or into `main_grad` (accumulated; None returned)."""
+
+    def wgrad(**kw):
+        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, **kw)
+
+    main = [getattr(w, "main_grad", None) for w in weights]
+    if all(m is None for m in main):
+        dw = wgrad(out_dtype=weights[0].dtype)
+        grads = (dw,) if len(weights) == 1 else dw.unbind(0)
+        return [g if need else None for g, need in zip(grads, needs)]
+    if any(m is None for m in main):
+        raise ValueError("either every weight of a grouped linear has a main_grad attribute or none has")
+    shape = weights[0].shape
+    for i, m in enumerate(main):
+        check_tensor(m, f"main_grad of weight {i}", MAIN_GRAD_DTYPES, contiguous=False)
+        if m.shape != shape:
+            raise ValueError(
+                f"main_grad of weight {i} must have the weight's shape {tuple(shape)}, got {tuple(m.shape)}"
+            )
+    target = None
+    if main[0].dtype == torch.float32:  # the GEMM accumulates FP32 in place: D = C + A.B
+        target = main[0] if len(main) == 1 else stacked_view(main)
+    if target is not None and target.is_contiguous():
+        wgrad(out=target, accumulate=True)
+    else:  # BF16 main_grads, or FP32 ones that are not one [G, N, K] block: one FP32 result, added once
+        dw = wgrad(out_dtype=torch.float32)
+        torch._foreach_add_(main, [dw] if len(main) == 1 else list(dw.unbind(0)))
+    for w in weights:
+        if hasattr(w, "grad_added_to_main_grad"):
+            w.grad_added_to_main_grad = True
+    return [None] * len(weights)
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    weight: Weights,
+    groups: torch.Tensor,
+    *,
+    cache: Optional[FP8WeightCache] = None,
+    backend: str = "auto",
+    pow2_scales: bool = False,
+) -> torch.Tensor:
+    """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (DESIGN.md §3), with gradients for x and the weights.
+
+    x: bf16 `[M, K]`, contiguous. weight: bf16 `[G, N, K]`, or a sequence of G bf16 `[N, K]` tensors.
+    groups: int32/int64 sizes `[G]` or offsets `[G+1]` on x's device (never read on the host by the CUDA backend;
+    on the CPU they are checked to describe M rows). N and K must be multiples of 128: the forward contracts over
+    K and dgrad over N in 128-wide scaling blocks. cache: the layer's `FP8WeightCache` (None: quantize the weights
+    on every call). pow2_scales: power-of-two (UE8M0) scales everywhere. Returns bf16 `[M, N]`. See the module
+    docstring for where the weight gradients go.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+    weights = _as_weights(weight)
+    check_tensor(x, "x", (torch.bfloat16,), dim=2)
+    check_same_device(x=x, groups=groups, weight=weights[0])
+    n, k = weights[0].shape[-2:]
+    g = weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
+    if x.shape[1] != k:
+        raise ValueError(f"x is [M, K] = {list(x.shape)} but the weights are [N, K] = {[n, k]}: K differs")
+    if n % 128 != 0 or k % 128 != 0 or n == 0 or k == 0:
+        raise ValueError(
+            f"N and K must be positive multiples of 128 (the forward contracts over K and dgrad over N in "
+            f"128-wide FP8 scaling blocks), got N={n}, K={k}"
+        )
+    normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
+    if cache is not None:
+        wq = cache.get(weights, pow2_scales, backend)
+    else:
+        wq = quantize_weights(weights, pow2_scales, backend)
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
+        return _forward(x, groups, wq.q, wq.s, backend, pow2_scales)  # inference: nothing to save
+    return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, backend, pow2_scales, *weights)

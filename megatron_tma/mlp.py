@@ -1,0 +1,309 @@
+"""The expert MLP of a Mixture-of-Experts layer on unpadded FP8 grouped GEMMs, and its two baselines.
+
+`GroupedFP8MLP(num_experts, hidden_size, ffn_hidden_size, activation)` takes what Megatron's token dispatcher
+hands its experts -- the permuted tokens `[T, H]`, the tokens per expert (here a device int tensor `[G]`, never
+read on the host) and the permuted routing probs `[T]` -- and returns `(out, None)` like Megatron's
+`TEGroupedMLP.forward`:
+
+    h = fc1(x)                      FP8 grouped linear, [T, H] -> [T, 2F] (SwiGLU) or [T, F]
+    z = act(h) * probs              in FP32 from the BF16 h, rounded once to BF16 (SwiGLU: silu(h[:, :F]) * h[:, F:],
+                                    the gate half first, as Megatron)
+    out = fc2(z)                    FP8 grouped linear, [T, F] -> [T, H]
+
+Parameters are `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one per expert, the names
+and shapes of Transformer Engine's `GroupedLinear`, so checkpoints stay interchangeable. Each linear allocates its
+G weights as consecutive slices of one storage, so that the FP8 path stacks them for free (megatron_tma.autograd);
+moving the module with `.to()` re-allocates them one by one, which stays correct but costs one stacking copy per
+weight version: build it on its device instead (`device=`).
+
+`pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
+`pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
+padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
+DESIGN.md §3, and the twin is the baseline and the bit-exactness oracle of the unpadded module. On the CUDA
+kernels the padded buffers have `padding.padded_row_count_upper_bound` rows (no host read); the rows past the
+real padded total belong to no expert and are never read. With the reference backend, which reads the sizes on the
+host anyway, they have exactly the padded total.
+
+`GroupedBF16MLP` is the same layer with BF16 `torch._grouped_mm` GEMMs (PyTorch's own autograd), for comparison.
+
+Megatron integration: the FP8 weight copies are cached per weight version; Megatron's `set_is_first_microbatch()`
+sets `is_first_microbatch` on every module that has it (as for Transformer Engine), and the linears here then
+re-quantize, which also covers weight updates the version counter cannot see (megatron_tma.autograd). Weights with
+a `main_grad` get their gradient accumulated there.
+"""
+import functools
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _ext
+from ._validate import check_same_device, check_tensor
+from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights
+from .groups import normalize_groups, padded_sizes, sizes_to_offsets
+from .padding import padded_row_count_upper_bound
+
+__all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
+           "activation_times_probs"]
+
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
+PAD_TO = (None, 16, 128)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Activation times probs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        return F.silu(h[:, :f]) * h[:, f:]
+    if activation == "gelu":
+        return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
+    return torch.relu(h).square()
+
+
+def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(h) / dh applied to da, for FP32 h."""
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        gate, up = h[:, :f], h[:, f:]
+        return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(da, h)
+    return da * (2.0 * torch.relu(h))
+
+
+def _row_sum(v: torch.Tensor) -> torch.Tensor:
+    """Row sums of an FP32 `[T, F]` tensor by pairwise halving, so that each row's rounding is fixed by F alone.
+
+    torch's reductions split a row's sum differently depending on how many rows there are (threads on the CPU,
+    CTAs per output on the GPU), which would make the padded twin's probs gradient differ in the last bit.
+    Elementwise adds of column halves do not (about log2(F) small launches; twice the traffic of one pass).
+    """
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        s = v[:, :half] + v[:, half : 2 * half]
+        if v.shape[1] % 2:
+            s[:, :1] += v[:, -1:]
+        v = s
+    return v[:, 0]
+
+
+class _ActivationTimesProbs(torch.autograd.Function):
+    """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to BF16. Saves only h and probs: the
+    backward recomputes the activation (memory of one BF16 [T, 2F] tensor instead of FP32 intermediates)."""
+
+    @staticmethod
+    def forward(ctx, h, probs, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(h, probs)
+        a = _activation(h.float(), activation)
+        if probs is not None:
+            a.mul_(probs.float().unsqueeze(1))
+        return a.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, dz):
+        h, probs = ctx.saved_tensors
+        h32, dz32 = h.float(), dz.float()
+        dh = dprobs = None
+        if probs is not None and ctx.needs_input_grad[1]:
+            dprobs = _row_sum(dz32 * _activation(h32, ctx.activation)).to(probs.dtype)
+        if ctx.needs_input_grad[0]:
+            da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
+            dh = _activation_backward(da, h32, ctx.activation).to(h.dtype)
+        return dh, dprobs, None
+
+
+def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+    """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
+
+    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]`.
+    Every element is computed on its own and the probs gradient by a fixed-order row sum, so a row's results do
+    not depend on the other rows (what the padded twin's bit-exactness needs).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    return _ActivationTimesProbs.apply(h, probs, activation)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grouped linears
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _default_init(w: torch.Tensor) -> None:
+    nn.init.normal_(w, mean=0.0, std=0.02)  # Megatron's init_method_std
+
+
+class _GroupedWeights(nn.Module):
+    """G expert weights `weight{i}` `[out_features, in_features]` in bf16, consecutive slices of one storage."""
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+        super().__init__()
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        storage = torch.empty(num_groups, out_features, in_features, dtype=torch.bfloat16, device=device)
+        self._weight_names = tuple(f"weight{i}" for i in range(num_groups))
+        for name, w in zip(self._weight_names, storage):
+            self.register_parameter(name, nn.Parameter(w))
+        self.reset_parameters(init_method)
+
+    @property
+    def weights(self) -> List[nn.Parameter]:
+        params = self._parameters  # not getattr: nn.Module's attribute look-up costs microseconds per weight
+        return [params[name] for name in self._weight_names]
+
+    def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        with torch.no_grad():
+            for w in self.weights:
+                (init_method or _default_init)(w)
+
+    def extra_repr(self) -> str:
+        return f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class GroupedFP8Linear(_GroupedWeights):
+    """`y[rows of g] = x[rows of g] . weight{g}^T` with the FP8 Function of megatron_tma.autograd."""
+
+    def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
+                 device=None, init_method=None):
+        super().__init__(num_groups, in_features, out_features, device=device, init_method=init_method)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        self.backend, self.pow2_scales = backend, pow2_scales
+        self.weight_cache = FP8WeightCache()
+        self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
+
+    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        if self.is_first_microbatch:
+            self.weight_cache.invalidate()
+            self.is_first_microbatch = False
+        return fp8_grouped_linear(x, self.weights, groups, cache=self.weight_cache, backend=self.backend,
+                                  pow2_scales=self.pow2_scales)
+
+
+class GroupedBF16Linear(_GroupedWeights):
+    """The same layer in BF16 on `torch._grouped_mm` (unpadded; PyTorch's autograd). `groups` are sizes [G]."""
+
+    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        ends = torch.cumsum(groups, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, stack_weights(self.weights).transpose(-2, -1), offs=ends)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The expert MLP
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _GroupedMLP(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str,
+                 linear: Callable[[int, int, int], nn.Module]):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
+        self.activation = activation
+        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.linear_fc1 = linear(num_experts, hidden_size, fc1_out)
+        self.linear_fc2 = linear(num_experts, ffn_hidden_size, hidden_size)
+
+    def _check_inputs(self, x, tokens_per_expert, probs) -> None:
+        check_tensor(x, "hidden_states", (torch.bfloat16,), dim=2)
+        if x.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {list(x.shape)}")
+        if not isinstance(tokens_per_expert, torch.Tensor):
+            raise TypeError(
+                "tokens_per_expert must be a device int tensor [num_experts] (read on the device only), "
+                f"got {type(tokens_per_expert).__name__}"
+            )
+        if tokens_per_expert.dim() == 1 and tokens_per_expert.numel() != self.num_experts:
+            raise ValueError(
+                f"tokens_per_expert must hold num_experts={self.num_experts} sizes, got {tokens_per_expert.numel()}"
+            )
+        normalize_groups(tokens_per_expert, self.num_experts, m_total=x.shape[0], device=x.device,
+                         name="tokens_per_expert")
+        if probs is not None:
+            check_tensor(probs, "permuted_probs", (torch.float32, torch.bfloat16), dim=1)
+            if probs.shape[0] != x.shape[0]:
+                raise ValueError(f"permuted_probs must be [T] = [{x.shape[0]}], got {list(probs.shape)}")
+            check_same_device(hidden_states=x, permuted_probs=probs)
+
+    def _mlp(self, x, groups, probs):
+        h = self.linear_fc1(x, groups)
+        return self.linear_fc2(activation_times_probs(h, probs, self.activation), groups)
+
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: Optional[torch.Tensor] = None):
+        """hidden_states bf16 [T, H] (rows grouped by expert), tokens_per_expert int32/int64 [G] on their device,
+        permuted_probs FP32/BF16 [T] or None. Returns (bf16 [T, H], None)."""
+        self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
+        return self._mlp(hidden_states, tokens_per_expert, permuted_probs), None
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}")
+
+
+class GroupedFP8MLP(_GroupedMLP):
+    """The expert MLP on the FP8 grouped linears, unpadded (`pad_to=None`) or as the padded twin (16 or 128)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
+                 pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *, device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+        if pad_to not in PAD_TO:
+            raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
+        if hidden_size % 128 or ffn_hidden_size % 128 or hidden_size <= 0 or ffn_hidden_size <= 0:
+            raise ValueError(
+                "hidden_size and ffn_hidden_size must be positive multiples of 128 (every FP8 GEMM of the layer "
+                f"contracts over one of them in 128-wide scaling blocks), got {hidden_size} and {ffn_hidden_size}"
+            )
+        linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales, device=device,
+                                   init_method=init_method)
+        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear)
+        self.pad_to, self.backend = pad_to, backend
+
+    def invalidate_weight_cache(self) -> None:
+        """Re-quantize the weights in the next forward (after updates their version counters do not show)."""
+        self.linear_fc1.weight_cache.invalidate()
+        self.linear_fc2.weight_cache.invalidate()
+
+    def forward(self, hidden_states, tokens_per_expert, permuted_probs=None):
+        if self.pad_to is None:
+            return super().forward(hidden_states, tokens_per_expert, permuted_probs)
+        self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
+        dest, padded, rows = self._padding_plan(hidden_states, tokens_per_expert)
+        x_pad = hidden_states.new_zeros(rows, self.hidden_size).index_copy(0, dest, hidden_states)
+        probs_pad = None
+        if permuted_probs is not None:
+            probs_pad = permuted_probs.new_zeros(rows).index_copy(0, dest, permuted_probs)
+        return self._mlp(x_pad, padded, probs_pad).index_select(0, dest), None
+
+    def _padding_plan(self, x, sizes):
+        """(padded row of every token, padded sizes [G], rows of the padded buffers), all without a host read
+        on the kernel path."""
+        num_tokens, g = x.shape[0], self.num_experts
+        padded = padded_sizes(sizes, self.pad_to)
+        shift = sizes_to_offsets(padded)[:-1] - sizes_to_offsets(sizes)[:-1]
+        expert = torch.repeat_interleave(sizes, output_size=num_tokens)  # expert of every token; no host read
+        dest = torch.arange(num_tokens, device=x.device) + shift[expert]
+        kernels = self.backend != "reference" and x.device.type == "cuda" and _ext.cuda_kernels_available(x.device)
+        if kernels:
+            rows = padded_row_count_upper_bound(num_tokens, g, self.pad_to)
+        else:  # the reference reads the sizes on the host and wants groups that cover every row
+            rows = int(padded.sum())
+        return dest, padded, rows
+
+
+class GroupedBF16MLP(_GroupedMLP):
+    """The same expert MLP with BF16 `torch._grouped_mm` GEMMs: the BF16 baseline, same parameter names."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", *,
+                 device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
+        linear = functools.partial(GroupedBF16Linear, device=device, init_method=init_method)
+        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear)

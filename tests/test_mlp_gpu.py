@@ -1,0 +1,183 @@
+"""The FP8 expert MLP on the H200: the unpadded layer equals its padded twin bit for bit (output, dx, dprobs, every
+weight gradient, main_grad accumulation), stays close to the BF16 layer, is captured whole (forward + backward) in a
+CUDA graph and replayed with new group sizes, and never synchronises with the host.
+Skipped without a Hopper GPU + extension."""
+import pytest
+import torch
+
+from megatron_tma import _ext
+from megatron_tma import reference as R
+from megatron_tma.groups import make_group_sizes
+from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
+
+pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
+
+DEV = "cuda"
+# The FP8 recipe's own noise against the unquantized layer: ~2.7% RMS relative error per quantized GEMM operand,
+# two chained GEMMs (SwiGLU multiplies two noisy fc1 outputs) give diff 1.3e-3 - 2.1e-3 on Gaussian data
+# (measured on the CPU oracle, tests/test_autograd.py); the BF16 layer itself is ~1e-5 from exact.
+BF16_LAYER_TOL = 3e-3
+
+
+def _poison_allocator():
+    """Fill free cached device memory with NaN, so that an output row nobody writes shows up."""
+    torch.cuda.empty_cache()
+    junk = torch.full((256 * 1024 * 1024,), float("nan"), dtype=torch.bfloat16, device=DEV)
+    del junk
+
+
+def _modules(g, h, f, activation, pad_to, seed=0, **kw):
+    torch.manual_seed(seed)
+    ours = GroupedFP8MLP(g, h, f, activation, device=DEV, **kw)
+    padded = GroupedFP8MLP(g, h, f, activation, pad_to=pad_to, device=DEV, **kw)
+    padded.load_state_dict(ours.state_dict())
+    return ours, padded
+
+
+def _inputs(sizes, h, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    t = int(sizes.sum())
+    x = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    probs = torch.rand(t, generator=gen, device=DEV)
+    dy = torch.randn(t, h, generator=gen, device=DEV).bfloat16()
+    return x, sizes.to(DEV), probs, dy
+
+
+def _step(module, x, sizes, probs, dy):
+    """Forward + backward on fresh leaves; returns [out, dx, dprobs, fc1 grads..., fc2 grads...]."""
+    x = x.clone().requires_grad_()
+    probs = probs.clone().requires_grad_()
+    for w in module.parameters():
+        w.grad = None
+    out, _ = module(x, sizes, probs)
+    out.backward(dy)
+    return [out.detach(), x.grad, probs.grad] + [w.grad for w in module.parameters()]
+
+
+NAMES = ["out", "dx", "dprobs"]
+
+
+def _names(module):
+    return NAMES + [n for n, _ in module.named_parameters()]
+
+
+CASES = [
+    # (G, H, F, T, dist, activation)
+    (8, 512, 256, 2000, "paper", "swiglu"),
+    (8, 512, 256, 2000, "skewed", "swiglu"),
+    (8, 512, 256, 2000, "one_group", "swiglu"),
+    (16, 1024, 384, 3000, "with_empty", "swiglu"),
+    (32, 256, 128, 500, "with_empty", "swiglu"),  # most groups far below one 128-row block
+    (8, 512, 256, 2000, "paper", "gelu"),
+    (8, 512, 256, 2000, "paper", "squared_relu"),
+]
+
+
+@pytest.mark.parametrize("pad_to", [128, 16])
+@pytest.mark.parametrize("g,h,f,t,dist,activation", CASES)
+def test_padded_twin_is_bit_exact(g, h, f, t, dist, activation, pad_to):
+    ours, padded = _modules(g, h, f, activation, pad_to)
+    sizes = make_group_sizes(t, g, dist, seed=11)
+    inputs = _inputs(sizes, h, seed=12)
+    _poison_allocator()
+    a = _step(ours, *inputs)
+    _poison_allocator()
+    b = _step(padded, *inputs)
+    for name, u, v in zip(_names(ours), a, b):
+        assert not u.isnan().any(), name
+        assert torch.equal(u, v), name
+
+
+def test_padded_twin_is_bit_exact_with_pow2_scales():
+    ours, padded = _modules(8, 512, 256, "swiglu", 128, pow2_scales=True)
+    inputs = _inputs(make_group_sizes(1500, 8, "with_empty", seed=3), 512, seed=4)
+    for name, u, v in zip(_names(ours), _step(ours, *inputs), _step(padded, *inputs)):
+        assert torch.equal(u, v), name
+
+
+def test_main_grad_accumulation_is_bit_exact():
+    """Megatron's main_grad: FP32 accumulation by the K-grouped GEMM over two micro-batches, padded == unpadded."""
+    ours, padded = _modules(8, 512, 256, "swiglu", 128)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    for lins in ((ours.linear_fc1, padded.linear_fc1), (ours.linear_fc2, padded.linear_fc2)):
+        start = torch.randn((8,) + tuple(lins[0].weight0.shape), generator=gen, device=DEV)  # not zero: C + A.B
+        for lin in lins:  # one FP32 buffer per linear, in expert order (the in-place accumulation path)
+            for w, buf in zip(lin.weights, start.clone().unbind(0)):
+                w.main_grad = buf
+    for seed, dist in ((6, "paper"), (7, "with_empty")):
+        inputs = _inputs(make_group_sizes(1800, 8, dist, seed=seed), 512, seed=seed)
+        a, b = _step(ours, *inputs), _step(padded, *inputs)
+        assert all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
+        assert all(g is None for g in a[3:] + b[3:])
+    for (name, w), v in zip(ours.named_parameters(), padded.parameters()):
+        assert torch.equal(w.main_grad, v.main_grad), name
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "squared_relu"])
+@pytest.mark.parametrize("dist", ["paper", "skewed", "with_empty"])
+def test_close_to_the_bf16_layer(dist, activation):
+    g, h, f = 8, 1024, 512
+    ours, _ = _modules(g, h, f, activation, 128)
+    bf16 = GroupedBF16MLP(g, h, f, activation, device=DEV)
+    bf16.load_state_dict(ours.state_dict())
+    inputs = _inputs(make_group_sizes(4096, g, dist, seed=21), h, seed=22)
+    for name, u, v in zip(_names(ours), _step(ours, *inputs), _step(bf16, *inputs)):
+        if v.abs().sum() == 0:  # an empty expert: both gradients exactly zero
+            assert u.abs().sum() == 0, name
+            continue
+        assert R.diff(u, v) <= BF16_LAYER_TOL, (name, R.diff(u, v))
+
+
+@pytest.mark.parametrize("pad_to", [None, 128])
+def test_cuda_graph_replays_with_new_group_sizes(pad_to):
+    g, h, f, t = 8, 512, 256, 2048
+    torch.manual_seed(0)
+    module = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV)
+    eager = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV)
+    eager.load_state_dict(module.state_dict())
+    x, sizes, probs, dy = _inputs(make_group_sizes(t, g, "paper", seed=1), h, seed=2)
+    x.requires_grad_()
+    probs.requires_grad_()
+
+    def step():
+        out, _ = module(x, sizes, probs)
+        out.backward(dy)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (also fills the FP8 weight cache)
+        for _ in range(2):
+            x.grad = probs.grad = None
+            module.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = probs.grad = None
+    module.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    static = [out, x.grad, probs.grad] + [w.grad for w in module.parameters()]
+
+    for seed, dist in ((3, "skewed"), (4, "one_group"), (5, "with_empty")):
+        new = _inputs(make_group_sizes(t, g, dist, seed=seed), h, seed=seed)
+        for buf, val in zip((x, sizes, probs, dy), new):
+            with torch.no_grad():
+                buf.copy_(val)
+        graph.replay()
+        expected = _step(eager, *new)
+        for name, u, v in zip(_names(module), static, expected):
+            assert torch.equal(u, v), (dist, name)
+
+
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_no_host_sync(pad_to):
+    module = GroupedFP8MLP(8, 512, 256, pad_to=pad_to, device=DEV)
+    x, sizes, probs, dy = _inputs(make_group_sizes(1000, 8, "with_empty", seed=9), 512, seed=9)
+    _step(module, x, sizes, probs, dy)  # warm-up: first-call allocations, weight cache
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(module, x, sizes, probs, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
