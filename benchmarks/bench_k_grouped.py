@@ -102,12 +102,7 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings):
     one = torch.ones((), device=dev)
     fns["dense_cublas"] = lambda: torch._scaled_mm(a_d, b_d, one, one, out_dtype=torch.bfloat16)
 
-    for name, res in common.bench_interleaved(fns, iters=iters).items():
-        if isinstance(res, str):
-            row[f"{name}_error"] = res
-        else:
-            row[f"{name}_ms"] = round(res, 5)
-            row[f"{name}_tflops"] = round(flops / res / 1e9, 1)
+    common.time_methods(row, fns, flops, iters)
     ours = k_grouped_fp8_gemm(dyt, dys, xt, xs, groups)
     row["bitexact"] = bool(torch.equal(ours, k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups)))
     row["ours_over_roofline"] = round(row["ours_ms"] / row["roofline_ms"], 3)
@@ -165,10 +160,7 @@ def plot(rows, png, out_dir):
     ax.set_ylabel("time / roofline (lower is better)")
     ax.set_title("K-grouped FP8 wgrad (accumulate into FP32) on H200")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    if out_dir:
-        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+    common.save_figure(fig, png, out_dir)
 
 
 if __name__ == "__main__":

@@ -71,12 +71,7 @@ def run_config(G, M, N, K, dist, seed, iters):
     one = torch.ones((), device=dev)
     fns["dense_cublas"] = lambda: torch._scaled_mm(dense_a, dense_b, one, one, out_dtype=torch.bfloat16)
 
-    for name, res in common.bench_interleaved(fns, iters=iters).items():
-        if isinstance(res, str):
-            row[f"{name}_error"] = res
-        else:
-            row[f"{name}_ms"] = round(res, 5)
-            row[f"{name}_tflops"] = round(flops / res / 1e9, 1)
+    common.time_methods(row, fns, flops, iters)
     ours = m_grouped_fp8_gemm(aq, a_s, wq, ws, groups).clone()
     row["bitexact"] = bool(torch.equal(ours, padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)))
     if "padded_path_ms" in row and "ours_ms" in row:
@@ -171,10 +166,7 @@ def plot(rows, png, out_dir):
     ax.set_ylabel("speedup of ours (x)")
     ax.set_title("Unpadded M-grouped FP8 GEMM on H200 (higher is better)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    if out_dir:
-        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+    common.save_figure(fig, png, out_dir)
 
 
 def print_table(rows, summary):

@@ -220,10 +220,7 @@ def plot(rows, png, out_dir):
     ax.set_ylabel("speedup of ours, fwd+bwd (x)")
     ax.set_title("Unpadded FP8 expert MLP (fc1 -> SwiGLU*probs -> fc2) on H200 (higher is better)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    if out_dir:
-        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+    common.save_figure(fig, png, out_dir)
 
 
 def print_table(rows, summary):

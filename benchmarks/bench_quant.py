@@ -173,10 +173,7 @@ def plot(rows, ceilings, png, out_dir):
     ax.set_ylabel("TB/s (bytes read + written)")
     ax.set_title("FP8 quantizers on H200, bf16 in (red: target)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    if out_dir:
-        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+    common.save_figure(fig, png, out_dir)
 
 
 def print_table(rows, ceilings, summary):

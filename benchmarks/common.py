@@ -71,6 +71,25 @@ def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     return results
 
 
+def time_methods(row: dict, fns: dict, flops: float, iters: int = 25) -> None:
+    """Time `fns` interleaved and record `<name>_ms` and `<name>_tflops` (useful FLOPs) in `row`, or
+    `<name>_error` for a method that cannot run here."""
+    for name, res in bench_interleaved(fns, iters=iters).items():
+        if isinstance(res, str):
+            row[f"{name}_error"] = res
+        else:
+            row[f"{name}_ms"] = round(res, 5)
+            row[f"{name}_tflops"] = round(flops / res / 1e9, 1)
+
+
+def save_figure(fig, png: str, out_dir: str = None) -> None:
+    """Write a matplotlib figure next to its JSON (and a copy into out_dir)."""
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    if out_dir:
+        fig.savefig(os.path.join(out_dir, os.path.basename(png)), dpi=120)
+
+
 def measure_ceilings(iters: int = 20) -> dict:
     """Copy bandwidth (bytes read + written per second) and dense FP8 GEMM rate, measured now."""
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")

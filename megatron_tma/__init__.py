@@ -2,7 +2,10 @@
 
 Public API (all take device group sizes/offsets; none reads them on the host):
     quantize_1x128, quantize_128x128, quantize_grouped_128x1     (megatron_tma.quant)
-    m_grouped_fp8_gemm, padded_m_grouped_fp8_gemm               (megatron_tma.gemm)
+    quantize_1x128_and_grouped_128x1                            (megatron_tma.quant, one read of x)
+    m_grouped_fp8_gemm, k_grouped_fp8_gemm, padded_m_grouped_fp8_gemm   (megatron_tma.gemm)
+    fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
+    GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
 The plain-torch numerics oracle is `megatron_tma.reference`; group bookkeeping is `megatron_tma.groups`.
 """
 from ._ext import cuda_kernels_available, has_extension  # noqa: F401
@@ -20,4 +23,16 @@ def __getattr__(name):
         from . import gemm
 
         return getattr(gemm, name)
+    if name == "quantize_1x128_and_grouped_128x1":
+        from . import quant
+
+        return quant.quantize_1x128_and_grouped_128x1
+    if name in ("fp8_grouped_linear", "FP8WeightCache"):
+        from . import autograd
+
+        return getattr(autograd, name)
+    if name in ("GroupedFP8MLP", "GroupedBF16MLP"):
+        from . import mlp
+
+        return getattr(mlp, name)
     raise AttributeError(f"module 'megatron_tma' has no attribute {name!r}")

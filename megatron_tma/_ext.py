@@ -50,3 +50,22 @@ def ops():
             "(pip install --no-build-isolation -e .), or use the reference backend"
         )
     return torch.ops.megatron_tma
+
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def use_cuda(backend: str, device: torch.device) -> bool:
+    """Resolve the `backend=` switch every op takes: True to run the CUDA kernels, False for the torch
+    reference; a clear error when "cuda" is asked for and cannot run."""
+    if backend == "reference":
+        return False
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    ok = device.type == "cuda" and cuda_kernels_available(device)
+    if backend == "cuda" and not ok:
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        ops()  # raises the "extension not built" error if that is the cause
+        raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
+    return ok

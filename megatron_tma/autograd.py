@@ -42,7 +42,7 @@ __all__ = [
     "stack_weights",
 ]
 
-BACKENDS = ("auto", "cuda", "reference")
+from ._ext import BACKENDS  # noqa: E402  (one list of backends)
 WEIGHT_DTYPES = (torch.bfloat16,)
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -178,6 +178,7 @@ class FP8WeightCache:
         """Drop the FP8 copies; the next `get` quantizes again."""
         self._key, self._aliases, self._value = None, (), None
 
+    @torch.compiler.disable  # host-side bookkeeping (pointers, versions): a graph break, not something to trace
     def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
         """The FP8 copies of `weights` (a `[G, N, K]` tensor in a 1-tuple, or G `[N, K]` tensors), quantized now
         if any weight changed. The weights are checked when they are quantized; a hit proves them unchanged, so

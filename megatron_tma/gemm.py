@@ -17,20 +17,6 @@ from .groups import normalize_groups
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm"]
 
 
-def _use_cuda(backend: str, device: torch.device) -> bool:
-    if backend == "reference":
-        return False
-    if backend not in ("auto", "cuda"):
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-    ok = device.type == "cuda" and _ext.cuda_kernels_available(device)
-    if backend == "cuda" and not ok:
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
-        _ext.ops()  # raises the "extension not built" error if that is the cause
-        raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
-    return ok
-
-
 def _check_m_grouped_args(a, a_scales, b, b_scales):
     check_tensor(a, "a", (FP8,), dim=2)
     check_tensor(b, "b", (FP8,), dim=3)
@@ -93,7 +79,7 @@ def m_grouped_fp8_gemm(
             raise ValueError(f"out needs unit column stride and a row pitch that is a multiple of 8, got {out.stride()}")
     if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
         return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
-    if _use_cuda(backend, device):
+    if _ext.use_cuda(backend, device):
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
         _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, block_n)
@@ -181,7 +167,7 @@ def k_grouped_fp8_gemm(
             raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
         if accumulate and out.dtype != torch.float32:
             raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
-    if _use_cuda(backend, device):
+    if _ext.use_cuda(backend, device):
         _ext.ops().k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate)
         return out
     from . import reference

@@ -40,25 +40,10 @@ __all__ = [
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUPS = 8192  # kQuantizeGroupedMaxGroups in csrc/include/megatron_tma/host/quantize.h
-BACKENDS = ("auto", "cuda", "reference")
 
 
 def _cdiv(a, b):
     return (a + b - 1) // b
-
-
-def _use_cuda(backend: str, device: torch.device) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-    if backend == "reference":
-        return False
-    ok = device.type == "cuda" and _ext.cuda_kernels_available(device)
-    if backend == "cuda" and not ok:
-        if device.type != "cuda":
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
-        _ext.ops()  # raises the "extension not built" error if that is the cause
-        raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
-    return ok
 
 
 def _check_pow2(pow2) -> None:
@@ -86,7 +71,7 @@ def quantize_1x128(
     check_tensor(x, "x", INPUT_DTYPES, dim=2)
     _check_dim16(x.shape[1], "K (the last dim of x)", "quantize_1x128")
     _check_pow2(pow2)
-    if _use_cuda(backend, x.device):
+    if _ext.use_cuda(backend, x.device):
         q, s = _ext.ops().quantize_1x128(x, pow2)
         return q, s
     from . import reference
@@ -108,7 +93,7 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "aut
     _check_dim16(w.shape[-2], "N (dim -2 of w)", "quantize_128x128")
     _check_dim16(w.shape[-1], "K (the last dim of w)", "quantize_128x128")
     _check_pow2(pow2)
-    if not _use_cuda(backend, w.device):
+    if not _ext.use_cuda(backend, w.device):
         from . import reference
 
         return reference.quantize_128x128(w, pow2)
@@ -148,7 +133,7 @@ def quantize_grouped_128x1(
     holds block j of group g (``B_g`` = blocks of the groups before g), rows past the last used block 0.
     """
     groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
-    if _use_cuda(backend, x.device):
+    if _ext.use_cuda(backend, x.device):
         qt, s = _ext.ops().quantize_grouped_128x1(x, groups, G, pow2)
         return qt, s
     from . import reference
@@ -171,7 +156,7 @@ def quantize_1x128_and_grouped_128x1(
     scales (wgrad's operand), byte for byte what the two separate calls return.
     """
     groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
-    if _use_cuda(backend, x.device):
+    if _ext.use_cuda(backend, x.device):
         q, s, qt, s_t = _ext.ops().quantize_1x128_and_grouped_128x1(x, groups, G, pow2)
         return q, s, qt, s_t
     from . import reference

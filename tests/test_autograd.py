@@ -6,8 +6,9 @@ Accuracy has two references, both float64 autograd:
   where the FP8 path stores BF16, but multiplies the dequantized operands in float64 (DESIGN.md §3's "float64
   reference built from the dequantized operands", extended through the layer). What is left is FP32 against
   float64 accumulation and activation math, which only now and then flips one BF16 or FP8 rounding: measured
-  diff <= 1e-9 (the output is equal). TWIN_TOL = 1e-6 leaves that margin and still catches a single 128-element
-  block with a wrong scale, transpose, token block or group boundary (one FP8 step is 2^-4 relative: >= 1e-5).
+  diff <= 1e-9 with torch 2.13 (the output is equal) and up to 2.2e-6 with torch 2.11 (the H200 machine; its
+  GELU flips more roundings). TWIN_TOL = 5e-6 leaves that margin and still catches a single 128-element block
+  with a wrong scale, transpose, token block or group boundary (one FP8 step is 2^-4 relative: >= 1e-5).
 * the unquantized layer. The difference is the FP8 e4m3 noise of the recipe itself: each quantized GEMM operand
   adds ~2.7% RMS relative error, and the layer chains two GEMMs (SwiGLU multiplies two noisy fc1 outputs), so on
   Gaussian data the diff is 1.3e-3 - 2.1e-3 (measured; SwiGLU and power-of-two scales are the upper end, ~2e-3).
@@ -23,7 +24,7 @@ from megatron_tma.autograd import FP8WeightCache, fp8_grouped_linear, stacked_vi
 from megatron_tma.groups import make_group_sizes
 from megatron_tma.mlp import ACTIVATIONS, GroupedBF16MLP, GroupedFP8MLP, activation_times_probs
 
-TWIN_TOL = 1e-6
+TWIN_TOL = 5e-6
 FP8_NOISE_TOL = 3e-3
 BF16_TOL = 1e-4
 

@@ -1,4 +1,5 @@
 // Host launcher and instantiation of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh).
+#include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/k_grouped_fp8_gemm.cuh"
 
@@ -46,18 +47,8 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
 
   auto kernel = k_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(G);
-  static size_t smem_set = 0;
-  if (smem > smem_set) {
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
-      return err;
-    smem_set = smem;
-  }
-  static const int num_sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n;
-  }();
+  if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
+  static const int num_sms = sm_count();
   const long long tiles = static_cast<long long>(G) * ((args.n + 127) / 128) * ((args.k + 127) / 128);
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
   kernel<<<grid, Config::kThreads, smem, stream>>>(p);

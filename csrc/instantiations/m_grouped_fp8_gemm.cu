@@ -1,4 +1,5 @@
 // Host launcher and instantiation of the M-grouped FP8 GEMM kernel (kernels/m_grouped_fp8_gemm.cuh).
+#include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/m_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/m_grouped_fp8_gemm.cuh"
 
@@ -8,13 +9,6 @@ namespace {
 using ConfigN128 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
 using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
 constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
-
-int sm_count() {
-  int dev = 0, n = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  return n;
-}
 
 }  // namespace
 
@@ -89,12 +83,7 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
 
   auto kernel = m_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(G);
-  static size_t smem_set = 0;  // raise the dynamic shared-memory limit once per size seen
-  if (smem > smem_set) {
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem)) != cudaSuccess)
-      return err;
-    smem_set = smem;
-  }
+  if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
   static const int num_sms = sm_count();
   // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles.
   const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
