@@ -130,6 +130,74 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     float acc[H][Mma::kRegs], part[Mma::kRegs];
     PipelineState<Cfg::STAGES> st;
 
+    // 128-wide tiles keep a second partial fragment (64 registers) so that block kb+1's wgmma runs on the
+    // tensor cores while this warpgroup promotes block kb: the promotion no longer leaves them idle.
+    float part2[Mma::kRegs];
+    auto issue = [&](float(&frag)[Mma::kRegs], const PipelineState<Cfg::STAGES>& at) {
+      const uint64_t da = make_kmajor_sw128_desc(smem + Cfg::OFF_A + at.stage * Cfg::A_BYTES + mwg * 64 * 128);
+      const uint64_t db = make_kmajor_sw128_desc(smem + Cfg::OFF_B + at.stage * Cfg::B_BYTES);
+      fence_regs(frag);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), frag, k > 0);
+      wgmma_commit();
+    };
+    auto row_scales = [&](const PipelineState<Cfg::STAGES>& at, int row_start, float& sa0, float& sa1) {
+      const float* sa =
+          reinterpret_cast<const float*>(smem + Cfg::OFF_SA + at.stage * Cfg::SA_SLOT) + (row_start & 3) + 64 * mwg;
+      sa0 = sa[r0];
+      sa1 = sa[r0 + 8];
+    };
+    auto mainloop_pipelined = [&](const MTile& tile, bool active, const float* bs, float(&accum)[Mma::kRegs],
+                                  float(&p0)[Mma::kRegs]) {
+      if (!active) {
+        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+          pipe.consumer_wait(st);
+          pipe.consumer_release(st, lane);
+        }
+        return;
+      }
+      float sa0, sa1, sb = __ldg(bs);
+      pipe.consumer_wait(st);
+      row_scales(st, tile.row_start, sa0, sa1);
+      issue(p0, st);
+      // One step: launch block kb+1 into `nxt`, then retire block kb from `cur`. The wgmma issue sits in
+      // straight-line code (no branch around it) so that ptxas keeps the two groups in flight.
+      auto step = [&](int kb, float(&cur)[Mma::kRegs], float(&nxt)[Mma::kRegs]) {
+        PipelineState<Cfg::STAGES> next = st;
+        next.advance();
+        const float nsb = __ldg(bs + kb + 1);
+        float nsa0, nsa1;
+        pipe.consumer_wait(next);
+        row_scales(next, tile.row_start, nsa0, nsa1);
+        issue(nxt, next);
+        wgmma_wait<1>();  // block kb's group is complete; kb+1's may still run
+        fence_regs(cur);
+        pipe.consumer_release(st, lane);
+        promote_row_scaled(accum, cur, sa0, sa1, sb);
+        sa0 = nsa0, sa1 = nsa1, sb = nsb;
+        st.advance();
+      };
+      auto last = [&](float(&cur)[Mma::kRegs]) {
+        wgmma_wait<0>();
+        fence_regs(cur);
+        pipe.consumer_release(st, lane);
+        promote_row_scaled(accum, cur, sa0, sa1, sb);
+        st.advance();
+      };
+      int kb = 0;
+      for (; kb + 2 < num_kb; kb += 2) {
+        step(kb, p0, part2);
+        step(kb + 1, part2, p0);
+      }
+      if (kb + 1 < num_kb) {  // two blocks left
+        step(kb, p0, part2);
+        last(part2);
+      } else {
+        last(p0);
+      }
+    };
+
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = sched.get(t);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
@@ -140,28 +208,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
 #pragma unroll
         for (int i = 0; i < Mma::kRegs; ++i) acc[h][i] = 0.f;
 
-      for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-        float sb[H];
+      if constexpr (H == 1) {
+        mainloop_pipelined(tile, active, bs, acc[0], part);
+      } else {
+        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+          float sb[H];
 #pragma unroll
-        for (int h = 0; h < H; ++h)  // global loads issued before the wait: off the critical path
-          sb[h] = active && h < halves ? __ldg(bs + h * num_kb + kb) : 0.f;
-        pipe.consumer_wait(st);
-        if (active) {
-          const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT) +
-                            (tile.row_start & 3) + 64 * mwg;
-          const float sa0 = sa[r0], sa1 = sa[r0 + 8];
-          const uint64_t da = make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128);
+          for (int h = 0; h < H; ++h)  // global loads issued before the wait: off the critical path
+            sb[h] = active && h < halves ? __ldg(bs + h * num_kb + kb) : 0.f;
+          pipe.consumer_wait(st);
+          if (active) {
+            const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT) +
+                              (tile.row_start & 3) + 64 * mwg;
+            const float sa0 = sa[r0], sa1 = sa[r0 + 8];
+            const uint64_t da = make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128);
 #pragma unroll
-          for (int h = 0; h < H; ++h) {
-            if (h < halves) {
-              mma_block_k128<Mma>(da, make_kmajor_sw128_desc(smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES + h * 128 * 128),
-                                  part);
-              if (h == H - 1 || h + 1 == halves) pipe.consumer_release(st, lane);
-              promote_row_scaled(acc[h], part, sa0, sa1, sb[h]);
+            for (int h = 0; h < H; ++h) {
+              if (h < halves) {
+                mma_block_k128<Mma>(
+                    da, make_kmajor_sw128_desc(smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES + h * 128 * 128), part);
+                if (h == H - 1 || h + 1 == halves) pipe.consumer_release(st, lane);
+                promote_row_scaled(acc[h], part, sa0, sa1, sb[h]);
+              }
             }
+          } else {
+            pipe.consumer_release(st, lane);
           }
-        } else {
-          pipe.consumer_release(st, lane);
         }
       }
 
