@@ -64,7 +64,7 @@ def m_grouped_fp8_gemm(
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
     out: optional BF16 `[M, N]` (unit column stride; may be a row slice of a larger buffer). Rows are written
     only inside groups; nothing outside `out` is touched. block_n: output tile width, 128 or 256 (0: the
-    kernel's wave heuristic; the result is the same bit for bit, only the speed differs).
+    default, 128, measured faster; the result is the same bit for bit, only the speed differs).
     """
     m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
     if block_n not in (0, 128, 256):

@@ -15,9 +15,7 @@
 //      operand tiles (funnel shifts of 4-byte words), writing zeros for tokens past the group's end
 //      (they belong to the next group: products there are exactly 0 * 0, as in the padded layout);
 //   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
-// Roles: warp 0 of the producer warpgroup issues the TMA loads; its warps 1-3 realign staged blocks into
-// a double-buffered pair of operand tiles; the two math warpgroups only run wgmma and the promotion. Two
-// mbarrier rings connect them: staging slots (TMA -> realign warps) and tile buffers (realign -> math).
+// The operand tiles are double-buffered so that block j+1 is realigned while block j's wgmma runs.
 // Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc when accumulating
 // (Megatron's main_grad). Deterministic: each output element is owned by one thread of one CTA.
 #pragma once
@@ -51,9 +49,7 @@ template <int STAGES_>
 struct KGroupedGemmConfig {
   static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128, STAGES = STAGES_;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
-  static constexpr int kProducerRegs = 64, kMathRegs = 216;  // 128 x 64 + 256 x 216 <= 64K registers
-  static constexpr int kRealignWarps = 3, kRealignThreads = 32 * kRealignWarps;
-  static constexpr int kTileBuffers = 2;
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;
   static constexpr int STAGE_ROW = BLOCK_K + 16;              // aligned window: 16 B of slack for the shift
   static constexpr int STAGE_BYTES = 128 * STAGE_ROW;         // one operand's staging tile
   static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
@@ -64,8 +60,7 @@ struct KGroupedGemmConfig {
   static constexpr int OFF_STAGE = OFF_SCALES + 4 * SCALE_BYTES;  // ring: [A stage, B stage, sa, sb] per stage
   static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
-  static constexpr int OFF_TILE_BAR = OFF_BAR + 2 * STAGES * 8;  // tile_full[2], tile_empty[2]
-  static constexpr int OFF_SCRATCH = OFF_TILE_BAR + 2 * kTileBuffers * 8;
+  static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 1024;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
@@ -102,12 +97,12 @@ __device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t*
   *reinterpret_cast<uint4*>(tile + sw128_offset(row, chunk)) = v;
 }
 
-// One block's realignment (2 operands x 128 rows x 8 chunks) by the realign warps.
+// One block's realignment by the 256 math threads: 2 operands x 128 rows x 8 chunks.
 template <int Q, class Cfg>
-__device__ __forceinline__ void realign_block(const uint8_t* stage, uint8_t* tiles, int rtid, uint32_t bits, int valid) {
-#pragma unroll 2
-  for (int idx = rtid; idx < 2 * 128 * 8; idx += Cfg::kRealignThreads) {
-    const int op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
+__device__ __forceinline__ void realign_block(const uint8_t* stage, uint8_t* tiles, int mtid, uint32_t bits, int valid) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
     realign_chunk<Q>(stage + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, tiles + op * Cfg::TILE_BYTES, row, chunk,
                      bits, valid);
   }
@@ -124,15 +119,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
   int* token_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
   int* block_off = token_off + G + 1;
 
-  uint64_t* tile_full = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_TILE_BAR);
-  uint64_t* tile_empty = tile_full + Cfg::kTileBuffers;
   if (threadIdx.x == 0) {
-    pipe.init(Cfg::kRealignWarps);  // staging slots are released by the realign warps
-    for (int b = 0; b < Cfg::kTileBuffers; ++b) {
-      mbar_init(&tile_full[b], Cfg::kRealignWarps);
-      mbar_init(&tile_empty[b], Cfg::kMathWarpgroups * 4);
-    }
-    mbar_fence_init();
+    pipe.init(Cfg::kMathWarpgroups * 4);
     tma_prefetch_descriptor(&p.a);
     tma_prefetch_descriptor(&p.b);
     tma_prefetch_descriptor(&p.a_scales);
@@ -146,15 +134,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
                                 (p.k + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
   const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x % 32;
   auto stage_ptr = [&](int stage) { return smem + Cfg::OFF_STAGE + stage * Cfg::STAGE_SLOT; };
-  auto tiles_ptr = [&](int buf) { return smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES; };
-  auto scales_ptr = [&](int buf) { return reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES); };
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // ------------------------------------------------------------ TMA: aligned staging windows
       PipelineState<Cfg::STAGES> st;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const KTile tile = sched.get(t);
@@ -170,47 +154,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
           tma_load_2d(&p.b_scales, bar, s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES, k0, tile.block_base + j);
         }
       }
-    } else if (threadIdx.x >= 32) {
-      // ------------------------------------------------------------ realign warps: staging -> tiles
-      const int rtid = threadIdx.x - 32;
-      PipelineState<Cfg::STAGES> st;
-      PipelineState<Cfg::kTileBuffers> tb;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const KTile tile = sched.get(t);
-        const int blocks = (tile.tokens + 127) / 128;
-        const int shift = tile.token_start & 15;  // the same for every block of the group
-        const uint32_t bits = 8u * (shift & 3);
-        for (int j = 0; j < blocks; ++j, st.advance(), tb.advance()) {
-          const int valid = min(128, tile.tokens - 128 * j);
-          pipe.consumer_wait(st);
-          mbar_wait(&tile_empty[tb.stage], tb.phase ^ 1);
-          __syncwarp();
-          const uint8_t* s = stage_ptr(st.stage);
-          uint8_t* tiles = tiles_ptr(tb.stage);
-          switch (shift >> 2) {  // uniform over the CTA: one branch per group
-            case 0: realign_block<0, Cfg>(s, tiles, rtid, bits, valid); break;
-            case 1: realign_block<1, Cfg>(s, tiles, rtid, bits, valid); break;
-            case 2: realign_block<2, Cfg>(s, tiles, rtid, bits, valid); break;
-            default: realign_block<3, Cfg>(s, tiles, rtid, bits, valid); break;
-          }
-          const float* src = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES);  // sa then sb: 256 floats
-          for (int i = rtid; i < 256; i += Cfg::kRealignThreads) scales_ptr(tb.stage)[i] = src[i];
-          fence_proxy_async_smem();  // the tensor cores read the tiles next
-          __syncwarp();
-          if (lane == 0) mbar_arrive(&tile_full[tb.stage]);
-          pipe.consumer_release(st, lane);
-        }
-      }
     }
   } else {
-    // -------------------------------------------------------------- math: wgmma + promotion
     setmaxnreg_inc<Cfg::kMathRegs>();
     const int mwg = warpgroup - 1;
-    const int tid = threadIdx.x % 128, warp = tid / 32;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const int mtid = threadIdx.x - 128;  // 0..255 over both math warpgroups
     const int r0 = 16 * warp + lane / 4;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     float acc[Mma::kRegs], part[Mma::kRegs];
-    PipelineState<Cfg::kTileBuffers> tb;
+    PipelineState<Cfg::STAGES> st;
+    // Move one block out of its staging slot: realign its bytes into tile buffer `buf` (visible to the
+    // tensor cores), copy its row/column scales beside it, and hand the slot back to the producer, so that
+    // loads run up to STAGES blocks ahead of the math.
+    auto unstage = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
+      const uint8_t* s = stage_ptr(at.stage);
+      uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
+      const uint32_t bits = 8u * (shift & 3);
+      switch (shift >> 2) {  // uniform over the CTA: one branch per group
+        case 0: realign_block<0, Cfg>(s, tiles, mtid, bits, valid); break;
+        case 1: realign_block<1, Cfg>(s, tiles, mtid, bits, valid); break;
+        case 2: realign_block<2, Cfg>(s, tiles, mtid, bits, valid); break;
+        default: realign_block<3, Cfg>(s, tiles, mtid, bits, valid); break;
+      }
+      reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES)[mtid] =
+          reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES)[mtid];  // sa then sb: 256 floats
+      fence_proxy_async_smem();
+      pipe.consumer_release(at, lane);
+    };
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
@@ -218,18 +189,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       if (blocks == 0 && p.accumulate) continue;  // an empty group leaves C unchanged
 #pragma unroll
       for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
+      const int shift = tile.token_start & 15;  // the same for every block of the group
+      if (blocks > 0) {
+        pipe.consumer_wait(st);
+        unstage(st, 0, shift, min(128, tile.tokens));
+        named_barrier_sync(3, 256);
+      }
 
-      for (int j = 0; j < blocks; ++j, tb.advance()) {
-        mbar_wait(&tile_full[tb.stage], tb.phase);
-        __syncwarp();
-        const uint8_t* tiles = tiles_ptr(tb.stage);
-        const float* sa = scales_ptr(tb.stage);
+      for (int j = 0; j < blocks; ++j, st.advance()) {
+        const int buf = j & 1;
+        const uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
+        const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
+        const float* sb = sa + 128;
         const float sa0 = sa[64 * mwg + r0], sa1 = sa[64 * mwg + r0 + 8];
-        mma_block_k128<Mma>(make_kmajor_sw128_desc(tiles + mwg * 64 * 128),
-                            make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES), part);
-        promote_row_col_scaled(acc, part, sa0, sa1, sa + 128 + 2 * (lane % 4));
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&tile_empty[tb.stage]);  // tiles and scales of this buffer are free
+        // Issue block j on the tensor cores ...
+        const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
+        const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
+        fence_regs(part);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), part, k > 0);
+        wgmma_commit();
+        // ... and move block j+1 into the other buffers meanwhile (block j-1's wgmma and promotion, their
+        // last readers, finished before the previous barrier).
+        if (j + 1 < blocks) {
+          PipelineState<Cfg::STAGES> next = st;
+          next.advance();
+          pipe.consumer_wait(next);
+          unstage(next, buf ^ 1, shift, min(128, tile.tokens - 128 * (j + 1)));
+        }
+        wgmma_wait<0>();
+        fence_regs(part);
+        promote_row_col_scaled(acc, part, sa0, sa1, sb + 2 * (lane % 4));
+        // Both warpgroups are done with buffers `buf` and have filled buffers `buf ^ 1`.
+        named_barrier_sync(3, 256);
       }
 
       // Epilogue: straight from registers; each warp store covers whole 32-byte sectors (4 lanes x 8 B per row).
