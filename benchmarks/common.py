@@ -26,22 +26,23 @@ def flush_l2():
     _FLUSH.fill_(1)
 
 
+def _time_once(fn, flush: bool) -> float:
+    if flush:
+        flush_l2()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def bench(fn, iters: int = 25, warmup: int = 5, flush: bool = True) -> float:
     """Median milliseconds of `fn()` over `iters` calls, each timed alone with CUDA events after an L2 flush."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if flush:
-            flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_time_once(fn, flush) for _ in range(iters))
 
 
 def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
@@ -60,13 +61,7 @@ def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     times = {name: [] for name in live}
     for _ in range(iters):
         for name, fn in live.items():
-            flush_l2()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(_time_once(fn, flush=True))
     results.update({name: statistics.median(t) for name, t in times.items()})
     return results
 
