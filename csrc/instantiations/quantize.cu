@@ -28,28 +28,19 @@ template <class In, bool kPow2> struct KFused { static constexpr auto fn = quant
 
 bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInput::kFp16; }
 
-// Persistent grid: the CTAs that fit on every SM at once (at most ctas_per_sm, the launch bounds' figure),
-// never more than there are tiles. A kernel with `smem` > 0 bytes of dynamic shared memory (and no static
-// shared memory) gets its limit raised, the maximum shared-memory carveout (it has no use for L1), and
-// as many CTAs per SM as that shared memory allows. Attribute calls only, no stream work and no
-// occupancy query per call: cheap and capture safe.
+// Persistent grid: the CTAs that the launch bounds fit on every SM (ctas_per_sm), never more than there are
+// tiles. With very many groups shared memory may fit fewer; the rest then run as a short second wave.
+// Raises the dynamic shared-memory limit when the group arrays need it. Attribute calls only, no stream
+// work and no occupancy query per call: cheap and capture safe.
 template <class Params>
 cudaError_t persistent_grid(void (*kernel)(Params), int ctas_per_sm, int smem, int64_t tiles, int* grid) {
   cudaError_t err;
   int dev = 0, sms = 0;
   if ((err = cudaGetDevice(&dev)) != cudaSuccess) return err;
+  if (smem > 48 * 1024 &&
+      (err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+    return err;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return err;
-  if (smem > 0) {
-    int smem_per_sm = 0, reserved = 0;
-    if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess ||
-        (err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared)) != cudaSuccess ||
-        (err = cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) != cudaSuccess ||
-        (err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev)) != cudaSuccess)
-      return err;
-    const int fit = smem_per_sm / (smem + reserved);
-    ctas_per_sm = fit < 1 ? 1 : (fit < ctas_per_sm ? fit : ctas_per_sm);
-  }
   const int64_t resident = int64_t(sms) * ctas_per_sm;
   *grid = static_cast<int>(tiles < resident ? tiles : resident);
   return cudaSuccess;
@@ -131,11 +122,11 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   p.s1 = s1;
   p.s1_ld = static_cast<int>(q != nullptr ? s1_ld : 0);
   const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
-  const int smem = grouped_smem_bytes(G);
+  const int smem = grouped_dynamic_smem(G);
   int grid = 0;
   const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * cdiv(k, kBlock), &grid);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, kGroupedThreads, smem, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
