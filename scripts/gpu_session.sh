@@ -3,6 +3,7 @@
 # Everything lands under $OUT (logs + one tarball of benchmark results), the table prints last.
 #   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [pytest-args] -- [bench ...]
 #   bench: m_grouped, k_grouped, quant, mlp_layer; append :quick for the short grid (e.g. m_grouped:quick)
+#   SANITIZE=1 also runs the smoke check under compute-sanitizer memcheck (about a minute)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +23,10 @@ smoke=${PIPESTATUS[0]}
 [ "$smoke" -eq 124 ] && { echo "smoke hung: stopping"; exit 1; }
 if [ "$smoke" -ne 0 ]; then  # locate the fault (file:line via -lineinfo), then carry on for more evidence
   timeout 180 compute-sanitizer --tool memcheck --show-backtrace device python3 scripts/smoke.py 2>&1 | grep -v "^=========     Host Frame" | head -40
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then  # issues 3/4: memcheck must be clean on a small case
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/smoke.py > "$OUT/memcheck.log" 2>&1
+  echo "memcheck rc=$? (0 = clean)"; tail -3 "$OUT/memcheck.log"
 fi
 pytest_args=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do pytest_args+=("$1"); shift; done
