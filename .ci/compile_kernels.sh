@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile every torch-free kernel translation unit under csrc/instantiations for sm_90a with nvcc, print
-# each kernel's registers / stack / spills, and fail on a compile error or on any register spill.
+# each kernel's registers / stack / spills, and fail on a compile error, on any register spill, or when ptxas
+# serialises wgmma (warnings C7514-C7518).
 # Usage: .ci/compile_kernels.sh [PYTHON]   (PYTHON locates the nvidia-cutlass headers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,8 @@ for src in csrc/instantiations/*.cu; do
          printf "  %-60s regs=%-4s stack=%-5s spill_st=%-4s spill_ld=%s\n", substr(fn,1,60), regs, stack, spill_st, spill_ld}' "$log"
   if grep -Eq "[1-9][0-9]* bytes spill (stores|loads)" "$log"; then
     echo "FAIL  $src spills registers"; status=1
+  elif grep -Eq "\(C751[4-8]\)" "$log"; then  # ptxas serialised wgmma (or injected a wait): a silent 2x loss
+    grep -E "\(C751[4-8]\)" "$log" | sed 's/ in function.*//'; echo "FAIL  $src serialises wgmma"; status=1
   else
     echo "ok    $src"
   fi

@@ -16,7 +16,7 @@ t0=$(date +%s)
 CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 MEGATRON_TMA_PTXAS_V=1 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
 rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
-grep -E "registers|spill|error" "$OUT/build.log" | grep -v "^ptxas info    : Compile time" | head -40
+grep -E "registers|spill|error|C751[4-8]" "$OUT/build.log" | grep -v "^ptxas info    : Compile time" | head -40
 [ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit $rc; }
 timeout 120 python3 scripts/smoke.py 2>&1 | tail -20
 smoke=${PIPESTATUS[0]}

@@ -49,62 +49,64 @@ template <int STAGES_>
 struct KGroupedGemmConfig {
   static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128, STAGES = STAGES_;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
-  static constexpr int kProducerRegs = 40, kMathRegs = 232;
+  static constexpr int kProducerRegs = 24, kMathRegs = 240;
+  static constexpr int kTileBuffers = 3;                      // realign j+1 while j runs and j-1 is promoted
   static constexpr int STAGE_ROW = BLOCK_K + 16;              // aligned window: 16 B of slack for the shift
   static constexpr int STAGE_BYTES = 128 * STAGE_ROW;         // one operand's staging tile
   static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
   static constexpr int SCALE_BYTES = 128 * 4;
   static constexpr int TX_BYTES = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
-  static constexpr int OFF_TILES = 0;                         // 2 buffers x [A tile, B tile]
-  static constexpr int OFF_SCALES = OFF_TILES + 4 * TILE_BYTES;  // 2 buffers x [sa, sb], beside the tiles
-  static constexpr int OFF_STAGE = OFF_SCALES + 4 * SCALE_BYTES;  // ring: [A stage, B stage, sa, sb] per stage
+  static constexpr int OFF_TILES = 0;                         // kTileBuffers x [A tile, B tile]
+  static constexpr int OFF_SCALES = OFF_TILES + kTileBuffers * 2 * TILE_BYTES;  // kTileBuffers x [sa, sb]
+  static constexpr int OFF_STAGE = OFF_SCALES + kTileBuffers * 2 * SCALE_BYTES;  // ring: [A, B, sa, sb] per stage
   static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 1024;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
-  static_assert(STAGE_SLOT % 128 == 0, "staging slots keep 128-byte alignment");
+  static_assert(STAGE_SLOT % 128 == 0 && OFF_STAGE % 128 == 0, "staging slots keep 128-byte alignment");
+  static_assert(1024 + OFF_GROUPS + 2 * (kMaxGroups + 1) * 4 <= 227 * 1024, "fits the SM90 shared memory");
 };
 
-// Copy tokens [shift, shift + 128) of one staging row into 16-byte chunk `chunk` of a 128B-swizzled tile
-// row, zeroing tokens at or past `valid`. Q = shift / 4 is a template parameter so that the word selection
-// is static; the two 16-byte loads of a quarter-warp cover one contiguous 128-byte row segment (no bank
-// conflicts), as do the swizzled 16-byte stores.
-template <int Q>
-__device__ __forceinline__ void realign_chunk(const uint8_t* stage_row, uint8_t* tile, int row, int chunk,
-                                              uint32_t bits, int valid) {
-  uint4 v = make_uint4(0, 0, 0, 0);
-  const int first = 16 * chunk;
-  if (first < valid) {
-    const uint4 lo = *reinterpret_cast<const uint4*>(stage_row + first);
-    const uint4 hi = *reinterpret_cast<const uint4*>(stage_row + first + 16);
+// Copy tokens [shift, shift + 128) of one 144-byte staging row into a 128B-swizzled tile row, zeroing
+// tokens at or past `valid` (kMasked: the group's last block). One thread owns the whole row and slides a
+// 32-byte window along it: 9 loads of 16 B (each source byte read once), 32 funnel shifts, 8 stores, and
+// only 8 words live, which leaves room for the two in-flight wgmma fragments. Q = shift / 4 is a template
+// parameter so that the word selection is static. Bank-conflict free: the 8 threads of a quarter-warp own
+// 8 consecutive rows, 144 B apart (4 banks each) when loading and in distinct swizzle chunks when storing.
+template <int Q, bool kMasked>
+__device__ __forceinline__ void realign_row(const uint8_t* stage_row, uint8_t* tile_row, int row, uint32_t bits,
+                                            int valid) {
+  uint4 hi = *reinterpret_cast<const uint4*>(stage_row);
+#pragma unroll
+  for (int chunk = 0; chunk < 8; ++chunk) {
+    const uint4 lo = hi;
+    hi = *reinterpret_cast<const uint4*>(stage_row + 16 * (chunk + 1));
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    v.x = __funnelshift_r(w[Q + 0], w[Q + 1], bits);
-    v.y = __funnelshift_r(w[Q + 1], w[Q + 2], bits);
-    v.z = __funnelshift_r(w[Q + 2], w[Q + 3], bits);
-    v.w = __funnelshift_r(w[Q + 3], w[Q + 4], bits);
-    const int keep = valid - first;  // bytes of this chunk that are real tokens
-    if (keep < 16) {
-      uint32_t* u = reinterpret_cast<uint32_t*>(&v);
+    uint32_t u[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) u[i] = __funnelshift_r(w[Q + i], w[Q + i + 1], bits);
+    if constexpr (kMasked) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int k = keep - 4 * i;  // bytes to keep in word i
+        const int k = valid - 16 * chunk - 4 * i;  // bytes of word i that are real tokens
         u[i] = k >= 4 ? u[i] : (k <= 0 ? 0u : (u[i] & ((1u << (8 * k)) - 1u)));
       }
     }
+    *reinterpret_cast<uint4*>(tile_row + ((chunk ^ (row & 7)) << 4)) = make_uint4(u[0], u[1], u[2], u[3]);
   }
-  *reinterpret_cast<uint4*>(tile + sw128_offset(row, chunk)) = v;
 }
 
-// One block's realignment by the 256 math threads: 2 operands x 128 rows x 8 chunks.
-template <int Q, class Cfg>
-__device__ __forceinline__ void realign_block(const uint8_t* stage, uint8_t* tiles, int mtid, uint32_t bits, int valid) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int idx = mtid + 256 * i, op = idx >> 10, row = (idx >> 3) & 127, chunk = idx & 7;
-    realign_chunk<Q>(stage + op * Cfg::STAGE_BYTES + row * Cfg::STAGE_ROW, tiles + op * Cfg::TILE_BYTES, row, chunk,
-                     bits, valid);
+template <bool kMasked>
+__device__ __forceinline__ void realign_row_dispatch(const uint8_t* stage_row, uint8_t* tile_row, int row, int shift,
+                                                     int valid) {
+  const uint32_t bits = 8u * (shift & 3);
+  switch (shift >> 2) {  // uniform over the CTA: one branch per group
+    case 0: realign_row<0, kMasked>(stage_row, tile_row, row, bits, valid); break;
+    case 1: realign_row<1, kMasked>(stage_row, tile_row, row, bits, valid); break;
+    case 2: realign_row<2, kMasked>(stage_row, tile_row, row, bits, valid); break;
+    default: realign_row<3, kMasked>(stage_row, tile_row, row, bits, valid); break;
   }
 }
 
@@ -161,68 +163,100 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int mtid = threadIdx.x - 128;  // 0..255 over both math warpgroups
     const int r0 = 16 * warp + lane / 4;
+    // Realignment ownership: thread mtid copies row (mtid % 128) of operand (mtid / 128), i.e. the first
+    // math warpgroup moves the dY^T rows and the second the X^T rows.
+    const int my_op = mtid >> 7, my_row = mtid & 127;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
-    float acc[Mma::kRegs], part[Mma::kRegs];
+    constexpr int R = Mma::kRegs;
+    float acc[R], part0[R], part1[R];
     PipelineState<Cfg::STAGES> st;
-    // Move one block out of its staging slot: realign its bytes into tile buffer `buf` (visible to the
-    // tensor cores), copy its row/column scales beside it, and hand the slot back to the producer, so that
-    // loads run up to STAGES blocks ahead of the math.
-    auto unstage = [&](const PipelineState<Cfg::STAGES>& at, int buf, int shift, int valid) {
-      const uint8_t* s = stage_ptr(at.stage);
-      uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
-      const uint32_t bits = 8u * (shift & 3);
-      switch (shift >> 2) {  // uniform over the CTA: one branch per group
-        case 0: realign_block<0, Cfg>(s, tiles, mtid, bits, valid); break;
-        case 1: realign_block<1, Cfg>(s, tiles, mtid, bits, valid); break;
-        case 2: realign_block<2, Cfg>(s, tiles, mtid, bits, valid); break;
-        default: realign_block<3, Cfg>(s, tiles, mtid, bits, valid); break;
-      }
-      reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES)[mtid] =
-          reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES)[mtid];  // sa then sb: 256 floats
+    auto tiles_of = [&](int buf) { return smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES; };
+    auto scales_of = [&](int buf) {
+      return reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
+    };
+    auto next_buf = [](int b) { return b == Cfg::kTileBuffers - 1 ? 0 : b + 1; };
+    auto prev_buf = [](int b) { return b == 0 ? Cfg::kTileBuffers - 1 : b - 1; };
+    // Move the next block out of its staging slot: realign its bytes into tile buffer `buf` (visible to the
+    // tensor cores after the caller's barrier), copy its row/column scales beside it, and hand the slot
+    // back to the producer, so that loads run up to STAGES blocks ahead of the math.
+    auto unstage = [&](int buf, int shift, int valid) {
+      pipe.consumer_wait(st);
+      const uint8_t* s = stage_ptr(st.stage);
+      const uint8_t* src = s + my_op * Cfg::STAGE_BYTES + my_row * Cfg::STAGE_ROW;
+      uint8_t* dst = tiles_of(buf) + my_op * Cfg::TILE_BYTES + my_row * 128;
+      if (valid >= 128)
+        realign_row_dispatch<false>(src, dst, my_row, shift, valid);
+      else
+        realign_row_dispatch<true>(src, dst, my_row, shift, valid);
+      scales_of(buf)[mtid] = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES)[mtid];  // sa then sb
       fence_proxy_async_smem();
-      pipe.consumer_release(at, lane);
+      pipe.consumer_release(st, lane);
+      st.advance();
+    };
+    auto issue = [&](float(&frag)[R], int buf) {
+      const uint8_t* tiles = tiles_of(buf);
+      const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
+      const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
+      fence_regs(frag);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), frag, k > 0);
+      wgmma_commit();
+    };
+    auto promote = [&](const float(&frag)[R], int buf) {
+      const float* sa = scales_of(buf);
+      promote_row_col_scaled(acc, frag, sa[64 * mwg + r0], sa[64 * mwg + r0 + 8], sa + 128 + 2 * (lane % 4));
     };
 
+    int buf = 0;  // tile buffer of the next block; rotates over every block this CTA runs, across tiles
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
       const int blocks = (tile.tokens + 127) / 128;
       if (blocks == 0 && p.accumulate) continue;  // an empty group leaves C unchanged
 #pragma unroll
-      for (int i = 0; i < Mma::kRegs; ++i) acc[i] = 0.f;
+      for (int i = 0; i < R; ++i) acc[i] = 0.f;
       const int shift = tile.token_start & 15;  // the same for every block of the group
       if (blocks > 0) {
-        pipe.consumer_wait(st);
-        unstage(st, 0, shift, min(128, tile.tokens));
+        // Block j sits in tile buffer (buf0 + j) % 3. A buffer is refilled (block j+2, during step j) only
+        // after the block it last held (j-1) was retired by both warpgroups: each waits for it in step j-1
+        // and the barrier closing step j-1 orders that before any refill.
+        const int buf0 = buf;
+        unstage(buf0, shift, min(128, tile.tokens));
         named_barrier_sync(3, 256);
-      }
-
-      for (int j = 0; j < blocks; ++j, st.advance()) {
-        const int buf = j & 1;
-        const uint8_t* tiles = smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES;
-        const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
-        const float* sb = sa + 128;
-        const float sa0 = sa[64 * mwg + r0], sa1 = sa[64 * mwg + r0 + 8];
-        // Issue block j on the tensor cores ...
-        const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
-        const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
-        fence_regs(part);
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), part, k > 0);
-        wgmma_commit();
-        // ... and move block j+1 into the other buffers meanwhile (block j-1's wgmma and promotion, their
-        // last readers, finished before the previous barrier).
-        if (j + 1 < blocks) {
-          PipelineState<Cfg::STAGES> next = st;
-          next.advance();
-          pipe.consumer_wait(next);
-          unstage(next, buf ^ 1, shift, min(128, tile.tokens - 128 * (j + 1)));
+        issue(part0, buf0);
+        if (blocks > 1) unstage(next_buf(buf0), shift, min(128, tile.tokens - 128));
+        named_barrier_sync(3, 256);
+        // Step j: launch block j+1 into `nxt`, realign block j+2, retire block j from `cur` (wait_group 1
+        // leaves block j+1 running on the tensor cores) and promote it. The wgmma issue is straight-line
+        // code (no branch around it) so that ptxas keeps the two groups in flight.
+        int cur_buf = buf0;
+        auto step = [&](int j, float(&cur)[R], float(&nxt)[R]) {
+          const int nxt_buf = next_buf(cur_buf);
+          issue(nxt, nxt_buf);
+          if (j + 2 < blocks) unstage(next_buf(nxt_buf), shift, min(128, tile.tokens - 128 * (j + 2)));
+          wgmma_wait<1>();
+          fence_regs(cur);
+          promote(cur, cur_buf);
+          named_barrier_sync(3, 256);
+          cur_buf = nxt_buf;
+        };
+        auto last = [&](float(&cur)[R]) {
+          wgmma_wait<0>();
+          fence_regs(cur);
+          promote(cur, cur_buf);
+        };
+        int j = 0;
+        for (; j + 2 < blocks; j += 2) {
+          step(j, part0, part1);
+          step(j + 1, part1, part0);
         }
-        wgmma_wait<0>();
-        fence_regs(part);
-        promote_row_col_scaled(acc, part, sa0, sa1, sb + 2 * (lane % 4));
-        // Both warpgroups are done with buffers `buf` and have filled buffers `buf ^ 1`.
-        named_barrier_sync(3, 256);
+        if (j + 1 < blocks) {  // two blocks left
+          step(j, part0, part1);
+          last(part1);
+        } else {
+          last(part0);
+        }
+        buf = next_buf(cur_buf);
       }
 
       // Epilogue: straight from registers; each warp store covers whole 32-byte sectors (4 lanes x 8 B per row).
