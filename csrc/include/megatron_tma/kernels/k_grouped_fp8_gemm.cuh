@@ -259,31 +259,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         buf = next_buf(cur_buf);
       }
 
-      // Epilogue: straight from registers; each warp store covers whole 32-byte sectors (4 lanes x 8 B per row).
-      const int n_a = tile.n_block * Cfg::BLOCK_M + 64 * mwg + r0, n_b = n_a + 8;
+      // Epilogue, straight from registers; each warp access covers whole 32-byte sectors (4 lanes x 8 B per
+      // row). When accumulating, every load of C is issued before the first store: loads and stores may
+      // alias as far as the compiler knows, so interleaving them serialises 32 global round trips per tile
+      // (~30k cycles: the first version spent most of its time there whenever groups were small).
+      const int n_a = tile.n_block * Cfg::BLOCK_M + 64 * mwg + r0;
       const size_t group_base = static_cast<size_t>(tile.group) * p.n * p.k;
+      // Element offset of fragment pair (j, h) in D, or -1 past the edge of a partial tile.
+      auto offset = [&](int j, int h) -> long long {
+        const int col = tile.k_block * Cfg::BLOCK_N + 8 * j + 2 * (lane % 4), row = n_a + 8 * h;
+        return col < p.k && row < p.n ? static_cast<long long>(group_base + static_cast<size_t>(row) * p.k + col) : -1;
+      };
+      float* d32 = static_cast<float*>(p.d);
+      if (p.out_bf16) {
 #pragma unroll
-      for (int j = 0; j < Mma::kRegs / 4; ++j) {
-        const int col = tile.k_block * Cfg::BLOCK_N + 8 * j + 2 * (lane % 4);
-        if (col >= p.k) continue;
+        for (int j = 0; j < R / 4; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = h ? n_b : n_a;
-          if (row >= p.n) continue;
-          const size_t idx = group_base + static_cast<size_t>(row) * p.k + col;
-          float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          if (p.out_bf16) {
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.d) + idx) = __floats2bfloat162_rn(v.x, v.y);
-          } else {
-            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.d) + idx);
-            if (p.accumulate) {
-              const float2 c = *dst;
-              v.x = __fadd_rn(c.x, v.x);
-              v.y = __fadd_rn(c.y, v.y);
-            }
-            *dst = v;
+          for (int h = 0; h < 2; ++h)
+            if (const long long idx = offset(j, h); idx >= 0)
+              *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.d) + idx) =
+                  __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      } else if (p.accumulate) {
+        float2 c[R / 2];
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const long long idx = offset(j, h);
+            c[2 * j + h] = idx >= 0 ? __ldcg(reinterpret_cast<const float2*>(d32 + idx)) : make_float2(0.f, 0.f);
           }
-        }
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (const long long idx = offset(j, h); idx >= 0)
+              *reinterpret_cast<float2*>(d32 + idx) = make_float2(__fadd_rn(c[2 * j + h].x, acc[4 * j + 2 * h]),
+                                                                  __fadd_rn(c[2 * j + h].y, acc[4 * j + 2 * h + 1]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (const long long idx = offset(j, h); idx >= 0)
+              *reinterpret_cast<float2*>(d32 + idx) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
   }
