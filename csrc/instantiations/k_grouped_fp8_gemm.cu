@@ -10,8 +10,8 @@ using Config = KGroupedGemmConfig</*STAGES=*/3>;
 cudaError_t encode_token_major(CUtensorMap* map, const void* base, int m_total, int rows, int pitch) {
   const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)rows};
   const uint64_t strides[1] = {(uint64_t)pitch};
-  const uint32_t box[2] = {Config::STAGE_ROW, 128};  // aligned staging window, realigned in shared memory
-  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const uint32_t box[2] = {128, 128};  // one aligned 128-token chunk of 128 rows (realigned in shared memory)
+  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, int rows) {

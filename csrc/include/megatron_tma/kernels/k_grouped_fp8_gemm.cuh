@@ -9,15 +9,16 @@
 // loaded straight into the operand tile. FP8 wgmma needs K-major operands, and the tensor cores' FP32
 // partial sums depend on which tokens share a k32 step, so the block's token t must sit at K position t
 // exactly (that is what makes the result bit-identical to the 128-padded layout). So:
-//   1. the producer TMA-loads an aligned staging window [a, a + 144) with a = (o_g + 128j) & ~15, for
-//      128 rows of each operand (no swizzle), plus the block's row and column scales;
-//   2. the math warpgroups copy bytes [shift, shift + 128) of every staging row into the 128B-swizzled
-//      operand tiles (funnel shifts of 4-byte words), writing zeros for tokens past the group's end
-//      (they belong to the next group: products there are exactly 0 * 0, as in the padded layout);
+//   1. the producer streams the group's tokens as 128-aligned 128-token chunks (128 rows of each operand,
+//      128B-swizzled, whole L2 lines), each chunk loaded once per tile, plus each block's scales;
+//   2. block j lies in chunks j and j+1 at a fixed offset (o_g mod 128); the math warpgroups copy it out
+//      of the two chunks into the 128B-swizzled operand tiles (16-byte pieces and funnel shifts), writing
+//      zeros for tokens past the group's end (they belong to the next group: products there are exactly
+//      0 * 0, as in the padded layout);
 //   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
-// The operand tiles are double-buffered so that block j+1 is realigned while block j's wgmma runs.
-// Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc when accumulating
-// (Megatron's main_grad). Deterministic: each output element is owned by one thread of one CTA.
+// Three operand-tile buffers let block j+2 be realigned while block j+1 runs on the tensor cores and
+// block j is promoted. Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
+// when accumulating (Megatron's main_grad). Deterministic: each output element is owned by one thread.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -34,8 +35,8 @@
 namespace megatron_tma {
 
 struct KGroupedGemmParams {
-  CUtensorMap a;         // dY^T e4m3: dims (M_total, N), row pitch, box (144 tokens, 128 rows), no swizzle
-  CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (144, 128)
+  CUtensorMap a;         // dY^T e4m3: dims (M_total, N), row pitch, box (128 tokens, 128 rows), 128B swizzle
+  CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (128, 128), 128B swizzle
   CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
   CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
   void* d;               // [G, N, K] fp32 (or bf16), contiguous
@@ -51,38 +52,42 @@ struct KGroupedGemmConfig {
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 24, kMathRegs = 240;
   static constexpr int kTileBuffers = 3;                      // realign j+1 while j runs and j-1 is promoted
-  static constexpr int STAGE_ROW = BLOCK_K + 16;              // aligned window: 16 B of slack for the shift
-  static constexpr int STAGE_BYTES = 128 * STAGE_ROW;         // one operand's staging tile
+  static constexpr int CHUNK_BYTES = 128 * 128;               // one operand's aligned 128-token chunk
   static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
   static constexpr int SCALE_BYTES = 128 * 4;
-  static constexpr int TX_BYTES = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
+  static constexpr int TX_CHUNK = 2 * CHUNK_BYTES, TX_SCALES = 2 * SCALE_BYTES;
   static constexpr int OFF_TILES = 0;                         // kTileBuffers x [A tile, B tile]
   static constexpr int OFF_SCALES = OFF_TILES + kTileBuffers * 2 * TILE_BYTES;  // kTileBuffers x [sa, sb]
   static constexpr int OFF_STAGE = OFF_SCALES + kTileBuffers * 2 * SCALE_BYTES;  // ring: [A, B, sa, sb] per stage
-  static constexpr int STAGE_SLOT = 2 * STAGE_BYTES + 2 * SCALE_BYTES;
+  static constexpr int STAGE_SLOT = 2 * CHUNK_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 1024;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
-  static_assert(STAGE_SLOT % 128 == 0 && OFF_STAGE % 128 == 0, "staging slots keep 128-byte alignment");
+  static_assert(STAGE_SLOT % 1024 == 0 && OFF_STAGE % 1024 == 0, "128B-swizzled TMA boxes need 1024-byte alignment");
   static_assert(1024 + OFF_GROUPS + 2 * (kMaxGroups + 1) * 4 <= 227 * 1024, "fits the SM90 shared memory");
 };
 
-// Copy tokens [shift, shift + 128) of one 144-byte staging row into a 128B-swizzled tile row, zeroing
-// tokens at or past `valid` (kMasked: the group's last block). One thread owns the whole row and slides a
-// 32-byte window along it: 9 loads of 16 B (each source byte read once), 32 funnel shifts, 8 stores, and
-// only 8 words live, which leaves room for the two in-flight wgmma fragments. Q = shift / 4 is a template
-// parameter so that the word selection is static. Bank-conflict free: the 8 threads of a quarter-warp own
-// 8 consecutive rows, 144 B apart (4 banks each) when loading and in distinct swizzle chunks when storing.
+// Copy the 128 tokens starting at byte `off` of the 256-byte concatenation of two staged chunk rows
+// (row_a ++ row_b, both 128B-swizzled) into a 128B-swizzled tile row, zeroing tokens at or past `valid`
+// (kMasked: the group's last block). One thread owns the whole row and slides a 32-byte window along it:
+// 9 loads of 16 B, 32 funnel shifts, 8 stores, only 8 words live (room for the two in-flight wgmma
+// fragments). off = 16 * qw + 4 * Q + bits / 8; Q is a template parameter so that the word selection is
+// static. Bank-conflict free: the 8 threads of a quarter-warp own 8 consecutive rows, whose swizzles put
+// the same logical 16-byte piece in 8 distinct bank groups, on both sides.
 template <int Q, bool kMasked>
-__device__ __forceinline__ void realign_row(const uint8_t* stage_row, uint8_t* tile_row, int row, uint32_t bits,
-                                            int valid) {
-  uint4 hi = *reinterpret_cast<const uint4*>(stage_row);
+__device__ __forceinline__ void realign_row(const uint8_t* row_a, const uint8_t* row_b, uint8_t* tile_row, int row,
+                                            int qw, uint32_t bits, int valid) {
+  const int r7 = row & 7;
+  auto piece = [&](int k) {  // logical 16-byte piece k (0..15) of the concatenated row
+    return *reinterpret_cast<const uint4*>((k < 8 ? row_a : row_b) + (((k & 7) ^ r7) << 4));
+  };
+  uint4 hi = piece(qw);
 #pragma unroll
   for (int chunk = 0; chunk < 8; ++chunk) {
     const uint4 lo = hi;
-    hi = *reinterpret_cast<const uint4*>(stage_row + 16 * (chunk + 1));
+    hi = piece(qw + chunk + 1);
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     uint32_t u[4];
 #pragma unroll
@@ -94,19 +99,20 @@ __device__ __forceinline__ void realign_row(const uint8_t* stage_row, uint8_t* t
         u[i] = k >= 4 ? u[i] : (k <= 0 ? 0u : (u[i] & ((1u << (8 * k)) - 1u)));
       }
     }
-    *reinterpret_cast<uint4*>(tile_row + ((chunk ^ (row & 7)) << 4)) = make_uint4(u[0], u[1], u[2], u[3]);
+    *reinterpret_cast<uint4*>(tile_row + ((chunk ^ r7) << 4)) = make_uint4(u[0], u[1], u[2], u[3]);
   }
 }
 
 template <bool kMasked>
-__device__ __forceinline__ void realign_row_dispatch(const uint8_t* stage_row, uint8_t* tile_row, int row, int shift,
-                                                     int valid) {
-  const uint32_t bits = 8u * (shift & 3);
-  switch (shift >> 2) {  // uniform over the CTA: one branch per group
-    case 0: realign_row<0, kMasked>(stage_row, tile_row, row, bits, valid); break;
-    case 1: realign_row<1, kMasked>(stage_row, tile_row, row, bits, valid); break;
-    case 2: realign_row<2, kMasked>(stage_row, tile_row, row, bits, valid); break;
-    default: realign_row<3, kMasked>(stage_row, tile_row, row, bits, valid); break;
+__device__ __forceinline__ void realign_row_dispatch(const uint8_t* row_a, const uint8_t* row_b, uint8_t* tile_row,
+                                                     int row, int off, int valid) {
+  const uint32_t bits = 8u * (off & 3);
+  const int qw = off >> 4;
+  switch ((off >> 2) & 3) {  // uniform over the CTA: one branch per group
+    case 0: realign_row<0, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
+    case 1: realign_row<1, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
+    case 2: realign_row<2, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
+    default: realign_row<3, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
   }
 }
 
@@ -146,14 +152,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         const KTile tile = sched.get(t);
         const int n0 = tile.n_block * Cfg::BLOCK_M, k0 = tile.k_block * Cfg::BLOCK_N;
         const int blocks = (tile.tokens + 127) / 128;
-        for (int j = 0; j < blocks; ++j, st.advance()) {
-          uint64_t* bar = pipe.producer_acquire(st, Cfg::TX_BYTES);
-          const int aligned = (tile.token_start + 128 * j) & ~15;  // TMA: 16-byte aligned inner coordinate
+        const int c0 = tile.token_start >> 7, chunks = tile.tokens ? ((tile.token_start + tile.tokens + 127) >> 7) - c0 : 0;
+        for (int i = 0; i < chunks; ++i, st.advance()) {
+          const bool scales = i < blocks;  // block i's scales ride with its first chunk
+          uint64_t* bar = pipe.producer_acquire(st, Cfg::TX_CHUNK + (scales ? Cfg::TX_SCALES : 0));
           uint8_t* s = stage_ptr(st.stage);
-          tma_load_2d(&p.a, bar, s, aligned, n0);
-          tma_load_2d(&p.b, bar, s + Cfg::STAGE_BYTES, aligned, k0);
-          tma_load_2d(&p.a_scales, bar, s + 2 * Cfg::STAGE_BYTES, n0, tile.block_base + j);
-          tma_load_2d(&p.b_scales, bar, s + 2 * Cfg::STAGE_BYTES + Cfg::SCALE_BYTES, k0, tile.block_base + j);
+          tma_load_2d(&p.a, bar, s, 128 * (c0 + i), n0);
+          tma_load_2d(&p.b, bar, s + Cfg::CHUNK_BYTES, 128 * (c0 + i), k0);
+          if (scales) {
+            tma_load_2d(&p.a_scales, bar, s + 2 * Cfg::CHUNK_BYTES, n0, tile.block_base + i);
+            tma_load_2d(&p.b_scales, bar, s + 2 * Cfg::CHUNK_BYTES + Cfg::SCALE_BYTES, k0, tile.block_base + i);
+          }
         }
       }
     }
@@ -176,22 +185,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     };
     auto next_buf = [](int b) { return b == Cfg::kTileBuffers - 1 ? 0 : b + 1; };
     auto prev_buf = [](int b) { return b == 0 ? Cfg::kTileBuffers - 1 : b - 1; };
-    // Move the next block out of its staging slot: realign its bytes into tile buffer `buf` (visible to the
-    // tensor cores after the caller's barrier), copy its row/column scales beside it, and hand the slot
-    // back to the producer, so that loads run up to STAGES blocks ahead of the math.
-    auto unstage = [&](int buf, int shift, int valid) {
+    // Move block j out of its chunks (staging slots j and j+1 of the tile): realign it into tile buffer
+    // `buf` (visible to the tensor cores after the caller's barrier), copy its row/column scales beside it,
+    // and hand chunk j back to the producer (block j+1 starts in chunk j+1). After the tile's last block
+    // a trailing chunk is handed back too, so that loads run up to STAGES chunks ahead of the math.
+    auto unstage = [&](int buf, int j, int blocks, int chunks, int off, int valid) {
       pipe.consumer_wait(st);
+      PipelineState<Cfg::STAGES> nxt = st;
+      nxt.advance();
+      const bool two = j + 1 < chunks;  // else every byte past this chunk is masked: read any valid row
+      if (two) pipe.consumer_wait(nxt);
       const uint8_t* s = stage_ptr(st.stage);
-      const uint8_t* src = s + my_op * Cfg::STAGE_BYTES + my_row * Cfg::STAGE_ROW;
+      const uint8_t* row_a = s + my_op * Cfg::CHUNK_BYTES + my_row * 128;
+      const uint8_t* row_b = two ? stage_ptr(nxt.stage) + my_op * Cfg::CHUNK_BYTES + my_row * 128 : row_a;
       uint8_t* dst = tiles_of(buf) + my_op * Cfg::TILE_BYTES + my_row * 128;
       if (valid >= 128)
-        realign_row_dispatch<false>(src, dst, my_row, shift, valid);
+        realign_row_dispatch<false>(row_a, row_b, dst, my_row, off, valid);
       else
-        realign_row_dispatch<true>(src, dst, my_row, shift, valid);
-      scales_of(buf)[mtid] = reinterpret_cast<const float*>(s + 2 * Cfg::STAGE_BYTES)[mtid];  // sa then sb
+        realign_row_dispatch<true>(row_a, row_b, dst, my_row, off, valid);
+      scales_of(buf)[mtid] = reinterpret_cast<const float*>(s + 2 * Cfg::CHUNK_BYTES)[mtid];  // sa then sb
       fence_proxy_async_smem();
       pipe.consumer_release(st, lane);
       st.advance();
+      if (j + 1 == blocks && two) {  // the trailing chunk of the tile
+        pipe.consumer_release(st, lane);
+        st.advance();
+      }
     };
     auto issue = [&](float(&frag)[R], int buf) {
       const uint8_t* tiles = tiles_of(buf);
@@ -215,16 +234,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       if (blocks == 0 && p.accumulate) continue;  // an empty group leaves C unchanged
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = 0.f;
-      const int shift = tile.token_start & 15;  // the same for every block of the group
+      const int off = tile.token_start & 127;  // where every block starts in its first chunk
+      const int chunks = blocks ? ((tile.token_start + tile.tokens + 127) >> 7) - (tile.token_start >> 7) : 0;
       if (blocks > 0) {
         // Block j sits in tile buffer (buf0 + j) % 3. A buffer is refilled (block j+2, during step j) only
         // after the block it last held (j-1) was retired by both warpgroups: each waits for it in step j-1
         // and the barrier closing step j-1 orders that before any refill.
         const int buf0 = buf;
-        unstage(buf0, shift, min(128, tile.tokens));
+        unstage(buf0, 0, blocks, chunks, off, min(128, tile.tokens));
         named_barrier_sync(3, 256);
         issue(part0, buf0);
-        if (blocks > 1) unstage(next_buf(buf0), shift, min(128, tile.tokens - 128));
+        if (blocks > 1) unstage(next_buf(buf0), 1, blocks, chunks, off, min(128, tile.tokens - 128));
         named_barrier_sync(3, 256);
         // Step j: launch block j+1 into `nxt`, realign block j+2, retire block j from `cur` (wait_group 1
         // leaves block j+1 running on the tensor cores) and promote it. The wgmma issue is straight-line
@@ -233,7 +253,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         auto step = [&](int j, float(&cur)[R], float(&nxt)[R]) {
           const int nxt_buf = next_buf(cur_buf);
           issue(nxt, nxt_buf);
-          if (j + 2 < blocks) unstage(next_buf(nxt_buf), shift, min(128, tile.tokens - 128 * (j + 2)));
+          if (j + 2 < blocks)
+            unstage(next_buf(nxt_buf), j + 2, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 2)));
           wgmma_wait<1>();
           fence_regs(cur);
           promote(cur, cur_buf);
