@@ -46,6 +46,10 @@ CONFIGS = [
     ("quantize_1x128_and_grouped_128x1", (32768, 4096), {"G": 8, "dist": "skewed"}),
 ]
 QUICK = CONFIGS[:3]
+# The result rows name each kernel by its role too, so that readers (and ../shared/bin/check-targets) can
+# tell the wgrad column quantizer from the 1x128 row quantizer; "op" keeps the Python function name.
+KERNEL_LABEL = {"quantize_grouped_128x1": "quantize_grouped_128x1 (wgrad columns)",
+                "quantize_1x128_and_grouped_128x1": "quantize_1x128_and_grouped_128x1 (fused rows + wgrad columns)"}
 
 
 def _cdiv(a, b):
@@ -74,7 +78,7 @@ def _same(out, ref):
 def run_config(kernel, shape, extra, seed, iters):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pow2 = extra.get("pow2", False)
-    row = {"kernel": kernel, "shape": "x".join(map(str, shape)), "dtype": "bfloat16", "pow2": pow2}
+    row = {"kernel": KERNEL_LABEL.get(kernel, kernel), "op": kernel, "shape": "x".join(map(str, shape)), "dtype": "bfloat16", "pow2": pow2}
     if kernel == "quantize_1x128":
         m, k = shape
         x = _rows_with_spread(m, k, gen)
@@ -149,7 +153,7 @@ def main():
 
 def _label(r):
     extra = f" G{r['G']} {r['dist']}" if "G" in r else ""
-    name = r["kernel"].replace("quantize_", "").replace("_and_", "+")
+    name = r["op"].replace("quantize_", "").replace("_and_", "+")
     return f"{name}\n{r['shape']}{extra}" + ("\npow2" if r["pow2"] else "")
 
 
@@ -163,7 +167,7 @@ def plot(rows, ceilings, png, out_dir):
     xs = list(range(len(rows)))
     colors = {"quantize_1x128": "tab:blue", "quantize_128x128": "tab:orange", "quantize_grouped_128x1": "tab:green",
               "quantize_1x128_and_grouped_128x1": "tab:purple"}
-    ax.bar(xs, [r["tbps"] for r in rows], 0.6, color=[colors[r["kernel"]] for r in rows])
+    ax.bar(xs, [r["tbps"] for r in rows], 0.6, color=[colors[r["op"]] for r in rows])
     for x, r in zip(xs, rows):
         if "target_tbps" in r:
             ax.hlines(r["target_tbps"], x - 0.3, x + 0.3, colors="red", lw=2)

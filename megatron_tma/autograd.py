@@ -2,7 +2,7 @@
 
 Forward quantizes X (1x128) and runs the M-grouped GEMM against the 128x128-quantized weights; it saves for
 backward the column-quantized X (per-group 128x1 token blocks, FP8, as wgrad reads it) instead of the BF16 X.
-Backward quantizes dY as 1x128 rows for dgrad (`dX = dY . W`, the M-grouped GEMM on the cached W^T copy) and as
+Backward quantizes dY once (one pass) as 1x128 rows for dgrad (`dX = dY . W`, the M-grouped GEMM on the W^T copy) and as
 per-group 128x1 columns for wgrad (`dW_g = dY_g^T . X_g`, the K-grouped GEMM). DESIGN.md §3 fixes every rounding,
 so the padded layout gives the same bits (tests/test_autograd.py, tests/test_mlp_gpu.py).
 
@@ -229,13 +229,21 @@ class _FP8GroupedLinear(torch.autograd.Function):
         backend, pow2 = ctx.backend, ctx.pow2
         dy = dy.contiguous()
         dx = None
-        if ctx.needs_input_grad[_X]:
+        need_dx, need_dw = ctx.needs_input_grad[_X], xt is not None
+        # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
+        # (wgrad) when both gradients are wanted, one quantizer otherwise.
+        if need_dx and need_dw:
+            dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(
+                dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
+        elif need_dx:
             dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
+        elif need_dw:
+            dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
+        if need_dx:
             dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
             del dyq, dy_s
         wgrads = [None] * len(weights)
-        if xt is not None:
-            dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
+        if need_dw:
             wgrads = _weight_grads(weights, ctx.needs_input_grad[_WEIGHTS:], dyt, dyt_s, xt, xt_s, groups, backend)
         return (dx, None, None, None, None, None, None, None, *wgrads)
 

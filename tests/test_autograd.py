@@ -346,17 +346,23 @@ def test_bf16_main_grad(gen):
 
 
 def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
-    """X^T is quantized (and saved) only when a weight needs a gradient, and the W^T copy only feeds dgrad."""
+    """X^T is quantized (and saved) only when a weight needs a gradient, the W^T copy only feeds dgrad, and
+    a backward that needs both gradients quantizes dY once, in the fused pass."""
     calls = []
-    real = quant.quantize_grouped_128x1
-    monkeypatch.setattr(quant, "quantize_grouped_128x1", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("quantize_1x128", "quantize_grouped_128x1", "quantize_1x128_and_grouped_128x1"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     x, w, sizes, dy = _linear_case(gen)
     with torch.no_grad():
         fp8_grouped_linear(x, w.clone().requires_grad_(), sizes, backend="reference")
+    assert calls == ["quantize_1x128"]  # inference: X rows only
+    calls.clear()
     y, dx = _linear_grads(x, w, sizes, dy)  # frozen weights: dgrad only
-    assert calls == [] and dx is not None
+    assert calls == ["quantize_1x128", "quantize_1x128"] and dx is not None  # X rows, dY rows
+    calls.clear()
     _linear_grads(x, w.clone().requires_grad_(), sizes, dy)
-    assert calls == [1, 1]  # X^T in the forward, dY^T in the backward
+    # forward: X rows + X^T columns; backward: dY rows and columns from one pass
+    assert calls == ["quantize_1x128", "quantize_grouped_128x1", "quantize_1x128_and_grouped_128x1"]
 
 
 def test_weight_cache_follows_versions(gen, monkeypatch):
