@@ -5,7 +5,7 @@
 
 namespace megatron_tma {
 namespace {
-using Config = KGroupedGemmConfig</*STAGES=*/4>;
+using Config = KGroupedGemmConfig</*STAGES=*/3>;
 
 cudaError_t encode_token_major(CUtensorMap* map, const void* base, int m_total, int rows, int pitch) {
   const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)rows};

@@ -16,8 +16,8 @@
 //      zeros for tokens past the group's end (they belong to the next group: products there are exactly
 //      0 * 0, as in the padded layout);
 //   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
-// Two operand-tile buffers let block j+1 be realigned while block j runs on the tensor cores (block j is
-// promoted while j+1 runs), which leaves shared memory for four chunk stages (two in use, two in flight). Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
+// Three operand-tile buffers let block j+2 be realigned while block j+1 runs on the tensor cores and
+// block j is promoted. Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
 // when accumulating (Megatron's main_grad). Deterministic: each output element is owned by one thread.
 #pragma once
 #include <cuda_bf16.h>
@@ -51,7 +51,7 @@ struct KGroupedGemmConfig {
   static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128, STAGES = STAGES_;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 24, kMathRegs = 240;
-  static constexpr int kTileBuffers = 2;                      // realign j+1 while j runs on the tensor cores
+  static constexpr int kTileBuffers = 3;                      // realign j+1 while j runs and j-1 is promoted
   static constexpr int CHUNK_BYTES = 128 * 128;               // one operand's aligned 128-token chunk
   static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
   static constexpr int SCALE_BYTES = 128 * 4;
@@ -191,6 +191,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     auto scales_of = [&](int buf) {
       return reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
     };
+    auto next_buf = [](int b) { return b == Cfg::kTileBuffers - 1 ? 0 : b + 1; };
+    auto prev_buf = [](int b) { return b == 0 ? Cfg::kTileBuffers - 1 : b - 1; };
     // Move block j out of its chunks (staging slots j and j+1 of the tile): realign it into tile buffer
     // `buf` (visible to the tensor cores after the caller's barrier), copy its row/column scales beside it,
     // and hand chunk j back to the producer (block j+1 starts in chunk j+1). After the tile's last block
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       promote_row_col_scaled(acc, frag, sa[64 * mwg + r0], sa[64 * mwg + r0 + 8], sa + 128 + 2 * (lane % 4));
     };
 
-    int buf = 0;  // tile buffer of the next block; alternates over every block this CTA runs, across tiles
+    int buf = 0;  // tile buffer of the next block; rotates over every block this CTA runs, across tiles
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
       const int blocks = (tile.tokens + 127) / 128;
@@ -243,24 +245,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       const int off = tile.token_start & 127;  // where every block starts in its first chunk
       const int chunks = blocks ? ((tile.token_start + tile.tokens + 127) >> 7) - (tile.token_start >> 7) : 0;
       if (blocks > 0) {
-        // Block j sits in tile buffer (buf + j) % 2. Step j realigns block j+1 into the other buffer, which
-        // block j-1 last held: both warpgroups retired it before the barrier that closed step j-1.
-        int cur_buf = buf;
-        unstage(cur_buf, 0, blocks, chunks, off, min(128, tile.tokens));
+        // Block j sits in tile buffer (buf0 + j) % 3. A buffer is refilled (block j+2, during step j) only
+        // after the block it last held (j-1) was retired by both warpgroups: each waits for it in step j-1
+        // and the barrier closing step j-1 orders that before any refill.
+        const int buf0 = buf;
+        unstage(buf0, 0, blocks, chunks, off, min(128, tile.tokens));
         named_barrier_sync(3, 256);
-        issue(part0, cur_buf);
-        // Step j (block j in flight in `cur`): realign block j+1, publish it, launch it into `nxt`, then
-        // retire block j (wait_group 1 leaves block j+1 running on the tensor cores) and promote it. The
-        // wgmma issue is straight-line code (no branch around it) so that ptxas keeps both groups in flight.
+        issue(part0, buf0);
+        if (blocks > 1) unstage(next_buf(buf0), 1, blocks, chunks, off, min(128, tile.tokens - 128));
+        named_barrier_sync(3, 256);
+        // Step j: launch block j+1 into `nxt`, realign block j+2, retire block j from `cur` (wait_group 1
+        // leaves block j+1 running on the tensor cores) and promote it. The wgmma issue is straight-line
+        // code (no branch around it) so that ptxas keeps the two groups in flight.
+        int cur_buf = buf0;
         auto step = [&](int j, float(&cur)[R], float(&nxt)[R]) {
-          const int nxt_buf = cur_buf ^ 1;
-          unstage(nxt_buf, j + 1, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 1)));
-          named_barrier_sync(3, 256);
+          const int nxt_buf = next_buf(cur_buf);
           issue(nxt, nxt_buf);
+          if (j + 2 < blocks)
+            unstage(next_buf(nxt_buf), j + 2, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 2)));
           wgmma_wait<1>();
           fence_regs(cur);
           promote(cur, cur_buf);
-          named_barrier_sync(3, 256);  // block j retired by both warpgroups: its buffer may be refilled
+          named_barrier_sync(3, 256);
           cur_buf = nxt_buf;
         };
         auto last = [&](float(&cur)[R]) {
@@ -279,7 +285,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         } else {
           last(part0);
         }
-        buf = cur_buf ^ 1;  // the last block's buffer stays untouched until the other warpgroup retires it
+        buf = next_buf(cur_buf);
       }
 
       // Epilogue, straight from registers; each warp access covers whole 32-byte sectors (4 lanes x 8 B per
