@@ -71,9 +71,9 @@ struct KGroupedGemmConfig {
 
 // Copy the 128 tokens starting at byte `off` of the 256-byte concatenation of two staged chunk rows
 // (row_a ++ row_b, both 128B-swizzled) into a 128B-swizzled tile row, zeroing tokens at or past `valid`
-// (kMasked: the group's last block). One thread owns the whole row: 9 loads of 16 B (all issued first),
-// 32 funnel shifts, 8 stores. It runs after the promotion of the retired block, when only one wgmma
-// fragment is live, so the 36 words fit in registers. off = 16 * qw + 4 * Q + bits / 8; Q is a template parameter so that the word selection is
+// (kMasked: the group's last block). One thread owns the whole row and slides a 32-byte window along it:
+// 9 loads of 16 B, 32 funnel shifts, 8 stores, only 8 words live (room for the two in-flight wgmma
+// fragments). off = 16 * qw + 4 * Q + bits / 8; Q is a template parameter so that the word selection is
 // static. Bank-conflict free: the 8 threads of a quarter-warp own 8 consecutive rows, whose swizzles put
 // the same logical 16-byte piece in 8 distinct bank groups, on both sides.
 template <int Q, bool kMasked>
@@ -83,12 +83,11 @@ __device__ __forceinline__ void realign_row(const uint8_t* row_a, const uint8_t*
   auto piece = [&](int k) {  // logical 16-byte piece k (0..15) of the concatenated row
     return *reinterpret_cast<const uint4*>((k < 8 ? row_a : row_b) + (((k & 7) ^ r7) << 4));
   };
-  uint4 pc[9];  // every load issued before the first shift: one shared-memory latency per row, not nine
-#pragma unroll
-  for (int i = 0; i < 9; ++i) pc[i] = piece(qw + i);
+  uint4 hi = piece(qw);
 #pragma unroll
   for (int chunk = 0; chunk < 8; ++chunk) {
-    const uint4 lo = pc[chunk], hi = pc[chunk + 1];
+    const uint4 lo = hi;
+    hi = piece(qw + chunk + 1);
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     uint32_t u[4];
 #pragma unroll
@@ -255,19 +254,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         issue(part0, buf0);
         if (blocks > 1) unstage(next_buf(buf0), 1, blocks, chunks, off, min(128, tile.tokens - 128));
         named_barrier_sync(3, 256);
-        // Step j: launch block j+1 into `nxt`, retire block j from `cur` (wait_group 1 leaves block j+1
-        // running on the tensor cores), promote it, then realign block j+2. The wgmma issue is straight-line
+        // Step j: launch block j+1 into `nxt`, realign block j+2, retire block j from `cur` (wait_group 1
+        // leaves block j+1 running on the tensor cores) and promote it. The wgmma issue is straight-line
         // code (no branch around it) so that ptxas keeps the two groups in flight.
         int cur_buf = buf0;
         auto step = [&](int j, float(&cur)[R], float(&nxt)[R]) {
           const int nxt_buf = next_buf(cur_buf);
           issue(nxt, nxt_buf);
+          if (j + 2 < blocks)
+            unstage(next_buf(nxt_buf), j + 2, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 2)));
           wgmma_wait<1>();
           fence_regs(cur);
           promote(cur, cur_buf);
-          // Realigned after the promotion: `cur` is dead by then, which leaves the registers for it.
-          if (j + 2 < blocks)
-            unstage(next_buf(nxt_buf), j + 2, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 2)));
           named_barrier_sync(3, 256);
           cur_buf = nxt_buf;
         };
