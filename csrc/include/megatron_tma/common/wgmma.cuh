@@ -46,6 +46,26 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// Drive a two-fragment software pipeline over `count` >= 1 K blocks: step(i, cur, nxt) launches block i+1
+// into `nxt` and retires block i from `cur`; last(cur) retires the final block. The fragments alternate by
+// unrolling two steps, so every wgmma issue is straight-line code: ptxas serialises wgmma issued under a
+// branch (warning C7518) and cannot track fragments selected at run time.
+template <int R, class Step, class Last>
+__device__ __forceinline__ void two_fragment_pipeline(int count, float (&f0)[R], float (&f1)[R], Step&& step,
+                                                      Last&& last) {
+  int i = 0;
+  for (; i + 2 < count; i += 2) {
+    step(i, f0, f1);
+    step(i + 1, f1, f0);
+  }
+  if (i + 1 < count) {  // two blocks left
+    step(i, f0, f1);
+    last(f1);
+  } else {
+    last(f0);
+  }
+}
+
 // Keep the compiler from moving accumulator reads/writes across wgmma issue/wait.
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {

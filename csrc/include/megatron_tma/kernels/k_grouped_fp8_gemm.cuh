@@ -274,17 +274,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
           fence_regs(cur);
           promote(cur, cur_buf);
         };
-        int j = 0;
-        for (; j + 2 < blocks; j += 2) {
-          step(j, part0, part1);
-          step(j + 1, part1, part0);
-        }
-        if (j + 1 < blocks) {  // two blocks left
-          step(j, part0, part1);
-          last(part1);
-        } else {
-          last(part0);
-        }
+        two_fragment_pipeline(blocks, part0, part1, step, last);
         buf = next_buf(cur_buf);
       }
 

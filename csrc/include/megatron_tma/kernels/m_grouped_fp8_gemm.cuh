@@ -185,17 +185,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         promote_row_scaled(accum, cur, sa0, sa1, sb);
         st.advance();
       };
-      int kb = 0;
-      for (; kb + 2 < num_kb; kb += 2) {
-        step(kb, p0, part2);
-        step(kb + 1, part2, p0);
-      }
-      if (kb + 1 < num_kb) {  // two blocks left
-        step(kb, p0, part2);
-        last(part2);
-      } else {
-        last(p0);
-      }
+      two_fragment_pipeline(num_kb, p0, part2, step, last);
     };
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
