@@ -187,8 +187,11 @@ def test_fused_1x128_and_grouped_matches_reference(gen, dtype, pow2, case):
         "g256": (make_group_sizes(5000, 256, "with_empty", seed=8).tolist(), 144),
         "empty": ([0, 0, 0], 32),
     }[case]
-    m = sum(sizes)
-    x = special_rows(m, k, gen, dtype)
+    run_fused(special_rows(sum(sizes), k, gen, dtype), sizes, pow2)
+
+
+def run_fused(x, sizes, pow2=False):
+    m, k = x.shape
     groups = group_tensor(sizes, ("offsets", torch.int32), DEV)
     kb, m_pad, m_pitch = -(-k // 128), -(-m // 4) * 4, -(-m // 16) * 16
     poison_allocations(m * k, kb * m_pad * 4, k * m_pitch, (m // 128 + len(sizes)) * k * 4)
@@ -201,6 +204,27 @@ def test_fused_1x128_and_grouped_matches_reference(gen, dtype, pow2, case):
     assert_fp8_equal(storage_2d(qt, k, m_pitch), storage_2d(rqt, k, m_pitch))
     assert_fp8_equal(qt, rqt)
     assert_scales_equal(s_t, rs_t)
+
+
+# Both grouped kernels quantize runs of consecutive token blocks per CTA and store the 16-byte chunk that
+# straddles two blocks of a run whole (the first block parks its tail bytes, the next merges its head). The
+# run length is a launch heuristic (1 on small inputs), so force each length: starts at every residue mod 16,
+# groups smaller than a chunk (several blocks merge into one chunk), empty groups, runs ending on unused blocks.
+RUN_LAYOUTS = {
+    "residues": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1],
+    "tiny": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300],
+    "paper": make_group_sizes(9000, 16, "paper", seed=11).tolist(),
+}
+
+
+@pytest.mark.parametrize("run", [1, 2, 3, 8])
+@pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused):
+    monkeypatch.setenv("MEGATRON_TMA_QUANT_RUN", str(run))
+    sizes = RUN_LAYOUTS[layout]
+    x = special_rows(sum(sizes), 272, gen, torch.bfloat16)
+    run_fused(x, sizes) if fused else run_grouped(x, sizes)
 
 
 def test_grouped_empty_tokens():

@@ -1,6 +1,7 @@
 // Host launchers and instances of the FP8 block quantizers (kernels/quantize.cuh): every kernel for
 // {bf16, fp16} inputs and {FP32, pow2} scales, picked at run time; the grouped kernel also fused with 1x128.
 #include <climits>
+#include <cstdlib>
 
 #include "megatron_tma/host/quantize.h"
 #include "megatron_tma/kernels/quantize.cuh"
@@ -95,6 +96,16 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
 
 namespace {
 
+// Token blocks per work unit of the grouped quantizer: long runs store fewer partial 16-byte chunks (only
+// a run's two ends do) but leave fewer units to balance over the CTAs; keep at least 4 units per CTA.
+// MEGATRON_TMA_QUANT_RUN overrides it (tuning experiments).
+int grouped_run(int64_t tiles, int64_t resident_ctas) {
+  const char* env = std::getenv("MEGATRON_TMA_QUANT_RUN");  // read per call: tests switch it
+  if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
+  const int64_t run = tiles / (4 * resident_ctas);
+  return static_cast<int>(run < 1 ? 1 : run > kGroupedMaxRun ? kGroupedMaxRun : run);
+}
+
 // Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
 cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2, void* qt,
                            int64_t qt_ld, float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream) {
@@ -121,11 +132,16 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   p.q = static_cast<uint8_t*>(q);
   p.s1 = s1;
   p.s1_ld = static_cast<int>(q != nullptr ? s1_ld : 0);
+  const int64_t kbs = cdiv(k, kBlock);
+  if (mb_max * kbs > int64_t(UINT32_MAX)) return cudaErrorInvalidValue;  // unit indices are 32-bit on the device
   const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
   const int smem = grouped_dynamic_smem(G);
-  int grid = 0;
-  const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * cdiv(k, kBlock), &grid);
+  int grid = 0, resident = 0;
+  cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &resident);
   if (err != cudaSuccess) return err;
+  p.run = grouped_run(mb_max * kbs, resident);
+  const int64_t units = cdiv(mb_max, p.run) * kbs;
+  grid = static_cast<int>(units < resident ? units : resident);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -17,7 +17,9 @@
 // per load instruction. The quantized bytes go to a transposed shared-memory tile (see TransposedTile)
 // from which whole output rows are stored with 16-byte vectors. Both kernels are persistent over tiles
 // and load the next tile into the (then dead) input registers before storing the current one, so the
-// store phase overlaps the next tile's DRAM latency.
+// store phase overlaps the next tile's DRAM latency. The grouped kernel's token blocks start at arbitrary
+// rows, so its transposed rows are unaligned; a CTA walks runs of consecutive blocks so that it can store
+// the 16-byte chunks straddling two blocks whole (store_token_rows).
 #pragma once
 #include <cstdint>
 
@@ -99,27 +101,23 @@ __device__ __forceinline__ uint4 pair_exchange(const uint2& a, const uint2& b, b
                     __byte_perm(other.x, b.x, sel), __byte_perm(other.y, b.y, sel));
 }
 
-// Bytes [lo, hi) of the 16-byte value v to dst (16-byte aligned), with the widest aligned stores that
-// fit: for the head and tail of a token range, whose neighbouring bytes belong to another CTA.
+// Bytes [lo, hi) of the 16-byte value v to dst (16-byte aligned), 0 <= lo < hi <= 16: for the head and
+// tail of a token range, whose neighbouring bytes belong to another CTA. Naturally aligned pieces, growing
+// from lo while lo's low bits allow, then shrinking to hi; at most nine predicated stores and no loop, so
+// lanes that share lo and hi never diverge.
 __device__ __forceinline__ void store_bytes(uint8_t* dst, const uint4& v, int lo, int hi) {
-  const uint64_t half[2] = {(uint64_t(v.y) << 32) | v.x, (uint64_t(v.w) << 32) | v.z};
-  for (int pos = lo; pos < hi;) {
-    const uint64_t bits = (pos < 8 ? half[0] : half[1]) >> ((pos & 7) * 8);
-    const int rem = hi - pos;
-    if ((pos & 7) == 0 && rem >= 8) {
-      *reinterpret_cast<uint64_t*>(dst + pos) = bits;
-      pos += 8;
-    } else if ((pos & 3) == 0 && rem >= 4) {
-      *reinterpret_cast<uint32_t*>(dst + pos) = static_cast<uint32_t>(bits);
-      pos += 4;
-    } else if ((pos & 1) == 0 && rem >= 2) {
-      *reinterpret_cast<uint16_t*>(dst + pos) = static_cast<uint16_t>(bits);
-      pos += 2;
-    } else {
-      dst[pos] = static_cast<uint8_t>(bits);
-      pos += 1;
-    }
-  }
+  const uint64_t h0 = (uint64_t(v.y) << 32) | v.x, h1 = (uint64_t(v.w) << 32) | v.z;
+  auto bits = [&](int pos) { return (pos < 8 ? h0 : h1) >> ((pos & 7) * 8); };
+  int p = lo;
+  if ((p & 1) && p + 1 <= hi) { dst[p] = static_cast<uint8_t>(bits(p)); p += 1; }
+  if ((p & 2) && p + 2 <= hi) { *reinterpret_cast<uint16_t*>(dst + p) = static_cast<uint16_t>(bits(p)); p += 2; }
+  if ((p & 4) && p + 4 <= hi) { *reinterpret_cast<uint32_t*>(dst + p) = static_cast<uint32_t>(bits(p)); p += 4; }
+  if ((p & 8) && p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
+  if (p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
+  if (p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
+  if (p + 4 <= hi) { *reinterpret_cast<uint32_t*>(dst + p) = static_cast<uint32_t>(bits(p)); p += 4; }
+  if (p + 2 <= hi) { *reinterpret_cast<uint16_t*>(dst + p) = static_cast<uint16_t>(bits(p)); p += 2; }
+  if (p + 1 <= hi) dst[p] = static_cast<uint8_t>(bits(p));
 }
 
 // Bytes [sh, sh + 16) of the 32-byte concatenation lo|hi, 0 < sh < 16 (sh uniform across the CTA, so
@@ -354,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
 // Per-group 128x1 token blocks: wgrad operands
 // ================================================================================================
 constexpr int kGroupedCtasPerSm = 3;  // as k128x128CtasPerSm (80 registers, fused variant included)
-constexpr int kGroupedMaxGroups = 8192;  // two int arrays of G+1 in shared memory (64 KB at the limit)
+constexpr int kGroupedMaxGroups = 8192;
+constexpr int kGroupedMaxRun = 8;        // token blocks per work unit, at most (host heuristic)  // two int arrays of G+1 in shared memory (64 KB at the limit)
 
 __host__ __device__ constexpr int grouped_dynamic_smem(int num_groups) { return 2 * (num_groups + 1) * 4; }
 
@@ -366,6 +365,7 @@ struct QuantizeGroupedParams {
   int m, k;         // k multiple of 16
   int64_t qt_ld;    // multiple of 16, >= m
   int mb_max;       // m / 128 + G: rows of s; rows past the used blocks are written as 0
+  int run;          // token blocks per work unit (>= 1): a CTA quantizes blocks b..b+run-1 of one column block
   // The fused 1x128 outputs (kAlso1x128 only), as in Quantize1x128Params.
   uint8_t* q;       // e4m3 [m, k]
   float* s1;        // storage [ceil(k/128), s1_ld], entries m..s1_ld-1 written as 1.0
@@ -375,6 +375,21 @@ struct QuantizeGroupedParams {
 struct TokenBlock {
   int row0;  // first row of the block
   int rows;  // 1..128, or 0 for a block index past the last used block
+};
+
+// Work unit u -> column block kb and its first token block b0: units are runs of `run` consecutive token
+// blocks of one column block, token runs fastest. Consecutive blocks are contiguous in tokens (across group
+// boundaries too), so one CTA sees each boundary between the blocks of its run and can store the 16-byte
+// chunk that straddles it whole (see store_token_rows); and the CTAs resident at any time write long runs
+// of the same qt rows rather than ~1 KB pieces of thousands of rows.
+struct GroupedUnits {
+  uint32_t runs_per_col, run, mb;
+  __device__ __forceinline__ void coords(uint32_t u, int& kb, int& b0, int& len) const {
+    const uint32_t q = u / runs_per_col;
+    kb = static_cast<int>(q);
+    b0 = static_cast<int>((u - q * runs_per_col) * run);
+    len = static_cast<int>(min(run, mb - static_cast<uint32_t>(b0)));
+  }
 };
 
 // Token block b: group g owns blocks [blk[g], blk[g+1]), block j of it starts at off[g] + 128 j. The
@@ -390,26 +405,68 @@ __device__ __forceinline__ TokenBlock find_token_block(const int* off, const int
   return {row0, min(kBlock, off[lo + 1] - row0)};
 }
 
-// Stores rows [0, kvalid) of the transposed tile: bytes 0..rows-1 of tile row r go to
-// dst_row0 + r * ld + [row0, row0 + rows). row0 is arbitrary, so the destination is cut into the
-// 16-byte aligned chunks that the range touches; chunk c gathers tile bytes [16c - a, 16c - a + 16),
-// a = row0 % 16, from two neighbouring tile chunks. Interior chunks are one 16-byte store; the head and
-// tail chunks store only their own bytes, since the rest belongs to the neighbouring token blocks.
-__device__ __forceinline__ void store_token_rows(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
-                                                 int row0, int rows) {
-  const int a = row0 & 15;
-  const int chunks = (a + rows + 15) >> 4;  // <= 9
+// Bytes [0, n) of `keep` and [n, 16) of `rest`, 0 <= n <= 16 (n uniform).
+__device__ __forceinline__ uint4 merge_bytes(const uint4& keep, const uint4& rest, int n) {
+  const auto word = [n](uint32_t k, uint32_t r, int w) {
+    const int nb = min(max(n - 4 * w, 0), 4);
+    const uint32_t mask = nb == 4 ? 0xffffffffu : (1u << (8 * nb)) - 1u;
+    return (k & mask) | (r & ~mask);
+  };
+  return make_uint4(word(keep.x, rest.x, 0), word(keep.y, rest.y, 1), word(keep.z, rest.z, 2), word(keep.w, rest.w, 3));
+}
+
+// Stores rows [0, kvalid) of the transposed tile: bytes 0..rows-1 of tile row t go to
+// dst_row0 + t * ld + [row0, row0 + rows). row0 is arbitrary, so the destination is cut into the 16-byte
+// aligned chunks c = 0..nch-1 that the range touches (nch <= 9); chunk c gathers tile bytes
+// [16c - a, 16c - a + 16), a = row0 % 16, from tile chunks c-1 and c. Warp w owns rows 16w..16w+15, four
+// per step, eight lanes per row: lane j stores chunk j + (a != 0), and when a != 0 lane 7 also the head
+// chunk 0.
+// A chunk shared with the neighbouring block cannot be stored whole by either block alone, and byte-sized
+// stores are slow (on the H200 they took a quarter of the kernel's time), so inside a run of blocks the
+// partial tail chunk is parked in shared memory (`carry_out`, when `keep_tail`) and the next block merges
+// its head bytes into it: only the two ends of a run store partial chunks. `carry_lo` >= 0 says that
+// `carry_in` holds bytes [carry_lo, a) of this block's head chunk; the return value says the same of
+// `carry_out` for the next block (-1: nothing parked). Every branch is uniform across the CTA or across the
+// lanes of one chunk index.
+__device__ __forceinline__ int store_token_rows(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
+                                                int row0, int rows, int carry_lo, const uint4* carry_in,
+                                                bool keep_tail, uint4* carry_out) {
+  const int a = row0 & 15, end = a + rows;
+  const int nch = (end + 15) >> 4;
+  const bool park_tail = keep_tail && (end & 15) != 0;
   uint8_t* base = dst_row0 + (row0 - a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = (lane & 7) + (a != 0 ? 1 : 0);
+  const int hi = min(16, end - 16 * c);  // lo is 0 for every c >= (a != 0)
+  const bool has_chunk = c < nch, has_head = a != 0 && (lane & 7) == 7;
+  const bool chunk_parked = park_tail && c == nch - 1;
+  const bool head_parked = park_tail && nch == 1;  // the head chunk is the tail chunk too
+  const int head_lo = carry_lo >= 0 ? carry_lo : a, head_hi = min(16, end);
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  for (int it = threadIdx.x; it < kvalid * chunks; it += kThreads) {
-    const int r = it / chunks, c = it - r * chunks;
-    const uint4 cur = c < 8 ? TransposedTile::read(tile, r, c) : zero;
-    uint4 out = cur;
-    if (a != 0) out = byte_window(c > 0 ? TransposedTile::read(tile, r, c - 1) : zero, cur, 16 - a);
-    const int lo = max(0, a - 16 * c), hi = min(16, a + rows - 16 * c);
-    uint8_t* dst = base + r * ld + 16 * c;
-    if (lo == 0 && hi == 16) store16(dst, out); else store_bytes(dst, out, lo, hi);
+  constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
+  static_assert(kRowsPerWarp % 4 == 0, "four rows per warp step");
+#pragma unroll
+  for (int step = 0; step < kRowsPerWarp / 4; ++step) {
+    const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
+    if (t >= kvalid) continue;
+    uint8_t* dst = base + t * ld;
+    if (has_chunk) {
+      const uint4 cur = c < 8 ? TransposedTile::read(tile, t, c) : zero;
+      const uint4 out = a == 0 ? cur : byte_window(TransposedTile::read(tile, t, c - 1), cur, 16 - a);
+      if (chunk_parked) carry_out[t] = out;
+      else if (hi == 16) store16(dst + 16 * c, out);
+      else store_bytes(dst + 16 * c, out, 0, hi);
+    }
+    if (has_head) {
+      uint4 out = byte_window(zero, TransposedTile::read(tile, t, 0), 16 - a);
+      if (carry_lo >= 0) out = merge_bytes(carry_in[t], out, a);
+      if (head_parked) carry_out[t] = out;
+      else if (head_lo == 0 && head_hi == 16) store16(dst, out);
+      else store_bytes(dst, out, head_lo, head_hi);
+    }
   }
+  if (!park_tail) return -1;
+  return nch == 1 ? (a != 0 ? head_lo : 0) : 0;
 }
 
 // The 1x128 half of the fused kernel for one tile: every row of a token block lies in exactly one tile per
@@ -452,6 +509,7 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   __shared__ uint4 col_amax[kWarps][16];     // per warp: 16-bit |x| maxima of the 128 columns, packed
   __shared__ __align__(16) float col_mul[kBlock];
   __shared__ long long scan_scratch[32];
+  __shared__ uint4 carry[2][kBlock];         // a run's parked tail chunks, one per qt row (double-buffered)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SubTile sub;
   const int G = p.groups.num_groups;
@@ -467,25 +525,44 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
                        reinterpret_cast<int*>(scan_scratch));
 
   const int kbs = (p.k + kBlock - 1) / kBlock;
-  const int64_t tiles = int64_t(p.mb_max) * kbs;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
 
-  // Tile t = (token block b, column block kb), kb fastest; blocks past the used ones only write zeros.
-  auto load = [&](int64_t t, const TokenBlock& tb, uint4(&v)[8]) {
-    const int col = static_cast<int>(t % kbs) * kBlock + 8 * sub.kc;
+  // Work units (runs of token blocks of one column block, see GroupedUnits); blocks past the used ones
+  // only write zeros.
+  auto load = [&](int kb, const TokenBlock& tb, uint4(&v)[8]) {
+    const int col = kb * kBlock + 8 * sub.kc;
     load_subtile(v, x + int64_t(tb.row0 + 8 * sub.rg) * p.k + col, p.k, tb.rows - 8 * sub.rg, col < p.k);
+  };
+  const GroupedUnits units{static_cast<uint32_t>((p.mb_max + p.run - 1) / p.run), static_cast<uint32_t>(p.run),
+                           static_cast<uint32_t>(p.mb_max)};
+  const uint32_t num_units = units.runs_per_col * static_cast<uint32_t>(kbs);
+
+  // This CTA's tiles: blocks b0..b0+len-1 of unit u in order, then unit u + gridDim.x.
+  struct Cursor {
+    uint32_t u;
+    int kb, b0, len, j;
+  };
+  Cursor cur{blockIdx.x, 0, 0, 0, 0};
+  if (cur.u >= num_units) return;
+  units.coords(cur.u, cur.kb, cur.b0, cur.len);
+  const auto advance = [&](Cursor c) {
+    if (++c.j == c.len) {
+      c.u += gridDim.x;
+      c.j = 0;
+      if (c.u < num_units) units.coords(c.u, c.kb, c.b0, c.len);
+    }
+    return c;
   };
 
   uint4 v[8];
-  TokenBlock next{0, 0};
-  if (blockIdx.x < tiles) {
-    next = find_token_block(off, blk, G, static_cast<int>(blockIdx.x / kbs));
-    load(blockIdx.x, next, v);
-  }
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  TokenBlock next = find_token_block(off, blk, G, cur.b0);
+  load(cur.kb, next, v);
+  int carry_lo = -1;
+  while (cur.u < num_units) {
     const TokenBlock tb = next;
-    const int b = static_cast<int>(t / kbs), k0 = static_cast<int>(t % kbs) * kBlock;
+    const int b = cur.b0 + cur.j, k0 = cur.kb * kBlock;
     const int kvalid = min(kBlock, p.k - k0);
+    const Cursor nxt = advance(cur);
 
     // Column amax: over the thread's 8 rows, the warp's two row groups (shuffle), then the 8 warps.
     uint4 a = make_uint4(0u, 0u, 0u, 0u);
@@ -536,14 +613,16 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
       if constexpr (kAlso1x128) quantize_rows_1x128<In, kPow2>(v, sub, p, tb.row0, tb.rows, k0);
     }
     // v and the quantized bytes are dead: prefetch the next tile, whose latency the stores hide.
-    if (t + gridDim.x < tiles) {
-      next = find_token_block(off, blk, G, static_cast<int>((t + gridDim.x) / kbs));
-      load(t + gridDim.x, next, v);
+    if (nxt.u < num_units) {
+      next = find_token_block(off, blk, G, nxt.b0 + nxt.j);
+      load(nxt.kb, next, v);
     }
     __syncthreads();
 
     uint8_t* qt_rows = p.qt + int64_t(k0) * p.qt_ld;
-    if (tb.rows > 0) store_token_rows(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows);
+    if (tb.rows > 0)
+      carry_lo = store_token_rows(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo, carry[cur.j & 1],
+                                  nxt.u == cur.u && next.rows > 0, carry[(cur.j + 1) & 1]);
     // Padding that belongs to no token block (the qt pitch columns m..qt_ld-1, the 1x128 scale entries
     // m..s1_ld-1): the tiles of the last block index, one per column block, write it.
     if (b == p.mb_max - 1) {
@@ -554,6 +633,7 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
       if constexpr (kAlso1x128)
         if (p.m + static_cast<int>(threadIdx.x) < p.s1_ld) p.s1[int64_t(k0 / kBlock) * p.s1_ld + p.m + threadIdx.x] = 1.0f;
     }
+    cur = nxt;
   }
 }
 
