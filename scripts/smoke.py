@@ -1,10 +1,12 @@
 """Smallest end-to-end check of every CUDA op (first thing a device session runs, under `timeout`, so a hang
 or a crash shows up in seconds instead of stalling the test suite)."""
+import os
 import sys
 
 import torch
 
 import megatron_tma
+from megatron_tma import quant
 from megatron_tma import reference as R
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
 
@@ -30,6 +32,18 @@ torch.cuda.synchronize()
 ref = R.k_grouped_ref64(dyt, dys, xt, xs, sizes)
 dk = max(R.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
 print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}", flush=True)
-ok = d < 1e-3 and dk < 1e-3
+# The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
+# parked-tail / merged-head path runs on this small input too (memcheck covers it).
+os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
+pairs = [(quant.quantize_1x128(x, backend="cuda"), R.quantize_1x128(x)),
+         (quant.quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)),
+         (quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)),
+         (quant.quantize_1x128_and_grouped_128x1(dy, sizes, backend="cuda"),
+          R.quantize_1x128(dy) + R.quantize_grouped_128x1(dy, sizes))]
+torch.cuda.synchronize()
+as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+qok = all(torch.equal(as_bits(o), as_bits(r)) for out, ref in pairs for o, r in zip(out, ref))
+print(f"quantizers bit-exact vs reference: {qok}", flush=True)
+ok = d < 1e-3 and dk < 1e-3 and qok
 print("SMOKE", "OK" if ok else "FAILED")
 sys.exit(0 if ok else 1)
