@@ -392,14 +392,20 @@ struct GroupedUnits {
   }
 };
 
-// Token block b: group g owns blocks [blk[g], blk[g+1]), block j of it starts at off[g] + 128 j. The
-// search keeps blk[lo] <= b < blk[hi], which skips empty groups.
-__device__ __forceinline__ TokenBlock find_token_block(const int* off, const int* blk, int num_groups, int b) {
+// Token block b: group g owns blocks [blk[g], blk[g+1]), block j of it starts at off[g] + 128 j. `group`
+// is the group of the previous lookup: the blocks of a run mostly stay in it, so it is checked first; the
+// search otherwise keeps blk[lo] <= b < blk[hi], which skips empty groups.
+__device__ __forceinline__ TokenBlock find_token_block(const int* off, const int* blk, int num_groups, int b, int& group) {
   if (b >= blk[num_groups]) return {0, 0};
-  int lo = 0, hi = num_groups;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (blk[mid] <= b) lo = mid; else hi = mid;
+  int lo = group;
+  if (b < blk[lo] || b >= blk[lo + 1]) {
+    lo = 0;
+    int hi = num_groups;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (blk[mid] <= b) lo = mid; else hi = mid;
+    }
+    group = lo;
   }
   const int row0 = off[lo] + kBlock * (b - blk[lo]);
   return {row0, min(kBlock, off[lo + 1] - row0)};
@@ -415,58 +421,90 @@ __device__ __forceinline__ uint4 merge_bytes(const uint4& keep, const uint4& res
   return make_uint4(word(keep.x, rest.x, 0), word(keep.y, rest.y, 1), word(keep.z, rest.z, 2), word(keep.w, rest.w, 3));
 }
 
+// The whole 16-byte destination chunks c0 .. c0+nfull-1 of every tile row: chunk c is tile bytes
+// [16c - a, 16c - a + 16), i.e. bytes [16 - a, 32 - a) of tile chunks c-1 | c, a funnel shift by r bits of
+// the words starting at word kQ (kQ = (16 - a) / 4 as a template parameter, so no word select at run time;
+// kQ < 0: a == 0, a plain copy). Warp w owns rows 16w..16w+15, four per step, eight lanes per row (lane j:
+// chunk c0 + j); a quarter warp reads one row's eight chunks, which the swizzle keeps conflict-free.
+template <int kQ>
+__device__ __forceinline__ void store_whole_chunks(const uint8_t* tile, uint8_t* base, int64_t ld, int kvalid, int c0,
+                                                   int nfull, int r) {
+  constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
+  static_assert(kRowsPerWarp % 4 == 0, "four rows per warp step");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = c0 + (lane & 7);
+  if ((lane & 7) >= nfull) return;
+#pragma unroll
+  for (int step = 0; step < kRowsPerWarp / 4; ++step) {
+    const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
+    if (t >= kvalid) break;
+    const uint4 cur = TransposedTile::read(tile, t, c);
+    uint4 out = cur;
+    if constexpr (kQ >= 0) {
+      const uint4 prev = TransposedTile::read(tile, t, c - 1);
+      const uint32_t w[8] = {prev.x, prev.y, prev.z, prev.w, cur.x, cur.y, cur.z, cur.w};
+      out = make_uint4(__funnelshift_r(w[kQ], w[kQ + 1], r), __funnelshift_r(w[kQ + 1], w[kQ + 2], r),
+                       __funnelshift_r(w[kQ + 2], w[kQ + 3], r), __funnelshift_r(w[kQ + 3], w[kQ + 4], r));
+    }
+    store16(base + t * ld + 16 * c, out);
+  }
+}
+
 // Stores rows [0, kvalid) of the transposed tile: bytes 0..rows-1 of tile row t go to
 // dst_row0 + t * ld + [row0, row0 + rows). row0 is arbitrary, so the destination is cut into the 16-byte
-// aligned chunks c = 0..nch-1 that the range touches (nch <= 9); chunk c gathers tile bytes
-// [16c - a, 16c - a + 16), a = row0 % 16, from tile chunks c-1 and c. Warp w owns rows 16w..16w+15, four
-// per step, eight lanes per row: lane j stores chunk j + (a != 0), and when a != 0 lane 7 also the head
-// chunk 0.
+// aligned chunks c = 0..nch-1 that the range touches (nch <= 9), chunk c holding tile bytes
+// [16c - a, 16c - a + 16), a = row0 % 16. All threads store the whole chunks (store_whole_chunks); then
+// threads 0..127 take one row each for its head chunk (bytes [a, 16) of chunk 0, when a != 0) and its tail
+// chunk (the last one, when the block does not end on a chunk boundary), so that the byte-sized stores of
+// these partial chunks never diverge a warp.
 // A chunk shared with the neighbouring block cannot be stored whole by either block alone, and byte-sized
 // stores are slow (on the H200 they took a quarter of the kernel's time), so inside a run of blocks the
 // partial tail chunk is parked in shared memory (`carry_out`, when `keep_tail`) and the next block merges
 // its head bytes into it: only the two ends of a run store partial chunks. `carry_lo` >= 0 says that
 // `carry_in` holds bytes [carry_lo, a) of this block's head chunk; the return value says the same of
-// `carry_out` for the next block (-1: nothing parked). Every branch is uniform across the CTA or across the
-// lanes of one chunk index.
+// `carry_out` for the next block (-1: nothing parked). Every branch is uniform across the CTA.
 __device__ __forceinline__ int store_token_rows(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
                                                 int row0, int rows, int carry_lo, const uint4* carry_in,
                                                 bool keep_tail, uint4* carry_out) {
   const int a = row0 & 15, end = a + rows;
   const int nch = (end + 15) >> 4;
-  const bool park_tail = keep_tail && (end & 15) != 0;
   uint8_t* base = dst_row0 + (row0 - a);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int c = (lane & 7) + (a != 0 ? 1 : 0);
-  const int hi = min(16, end - 16 * c);  // lo is 0 for every c >= (a != 0)
-  const bool has_chunk = c < nch, has_head = a != 0 && (lane & 7) == 7;
-  const bool chunk_parked = park_tail && c == nch - 1;
-  const bool head_parked = park_tail && nch == 1;  // the head chunk is the tail chunk too
-  const int head_lo = carry_lo >= 0 ? carry_lo : a, head_hi = min(16, end);
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
-  static_assert(kRowsPerWarp % 4 == 0, "four rows per warp step");
-#pragma unroll
-  for (int step = 0; step < kRowsPerWarp / 4; ++step) {
-    const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
-    if (t >= kvalid) continue;
-    uint8_t* dst = base + t * ld;
-    if (has_chunk) {
-      const uint4 cur = c < 8 ? TransposedTile::read(tile, t, c) : zero;
-      const uint4 out = a == 0 ? cur : byte_window(TransposedTile::read(tile, t, c - 1), cur, 16 - a);
-      if (chunk_parked) carry_out[t] = out;
-      else if (hi == 16) store16(dst + 16 * c, out);
-      else store_bytes(dst + 16 * c, out, 0, hi);
-    }
-    if (has_head) {
-      uint4 out = byte_window(zero, TransposedTile::read(tile, t, 0), 16 - a);
-      if (carry_lo >= 0) out = merge_bytes(carry_in[t], out, a);
-      if (head_parked) carry_out[t] = out;
-      else if (head_lo == 0 && head_hi == 16) store16(dst, out);
-      else store_bytes(dst, out, head_lo, head_hi);
-    }
+  const int c0 = a != 0 ? 1 : 0, nfull = (end >> 4) - c0;
+  const int sh = 16 - a, r = (sh & 3) * 8;
+  switch (a == 0 ? -1 : sh >> 2) {
+    case -1: store_whole_chunks<-1>(tile, base, ld, kvalid, c0, nfull, r); break;
+    case 0: store_whole_chunks<0>(tile, base, ld, kvalid, c0, nfull, r); break;
+    case 1: store_whole_chunks<1>(tile, base, ld, kvalid, c0, nfull, r); break;
+    case 2: store_whole_chunks<2>(tile, base, ld, kvalid, c0, nfull, r); break;
+    default: store_whole_chunks<3>(tile, base, ld, kvalid, c0, nfull, r); break;
   }
-  if (!park_tail) return -1;
-  return nch == 1 ? (a != 0 ? head_lo : 0) : 0;
+
+  const bool head_is_tail = a != 0 && nch == 1;
+  const bool tail_partial = (end & 15) != 0;
+  const bool park_tail = keep_tail && tail_partial;
+  const int head_lo = carry_lo >= 0 ? carry_lo : a, head_hi = min(16, end);
+  // Row t per thread, ordered so that the eight threads of a quarter warp read eight different
+  // swizzle positions of chunk 0 (conflict-free): t = 8 * (i % 8) + (i / 8) % 8 + (i & 64).
+  const int i = threadIdx.x;
+  const int t = ((i & 7) << 3) + ((i >> 3) & 7) + (i & 64);
+  if (i >= kBlock || t >= kvalid) return park_tail ? (head_is_tail ? head_lo : 0) : -1;
+  uint8_t* dst = base + t * ld;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  if (a != 0) {
+    uint4 out = byte_window(zero, TransposedTile::read(tile, t, 0), sh);
+    if (carry_lo >= 0) out = merge_bytes(carry_in[t], out, a);
+    if (head_is_tail && park_tail) carry_out[t] = out;
+    else if (head_lo == 0 && head_hi == 16) store16(dst, out);
+    else store_bytes(dst, out, head_lo, head_hi);
+  }
+  if (tail_partial && !head_is_tail) {
+    const int ct = nch - 1;  // >= 1 when a != 0
+    const uint4 cur = ct < 8 ? TransposedTile::read(tile, t, ct) : zero;
+    const uint4 out = a == 0 ? cur : byte_window(TransposedTile::read(tile, t, ct - 1), cur, sh);
+    if (park_tail) carry_out[t] = out;
+    else store_bytes(dst + 16 * ct, out, 0, end & 15);
+  }
+  return park_tail ? (head_is_tail ? head_lo : 0) : -1;
 }
 
 // The 1x128 half of the fused kernel for one tile: every row of a token block lies in exactly one tile per
@@ -555,7 +593,8 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   };
 
   uint4 v[8];
-  TokenBlock next = find_token_block(off, blk, G, cur.b0);
+  int group = 0;
+  TokenBlock next = find_token_block(off, blk, G, cur.b0, group);
   load(cur.kb, next, v);
   int carry_lo = -1;
   while (cur.u < num_units) {
@@ -614,7 +653,7 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
     }
     // v and the quantized bytes are dead: prefetch the next tile, whose latency the stores hide.
     if (nxt.u < num_units) {
-      next = find_token_block(off, blk, G, nxt.b0 + nxt.j);
+      next = find_token_block(off, blk, G, nxt.b0 + nxt.j, group);
       load(nxt.kb, next, v);
     }
     __syncthreads();
