@@ -35,6 +35,9 @@ t0=$(date +%s)
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfEs --timeout=180 "${pytest_args[@]:-tests}" > "$OUT/tests.log" 2>&1
 echo "tests rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "passed|failed|FAILED|ERROR" "$OUT/tests.log" | tail -30
 mkdir -p "$OUT/res"
+if [ $# -gt 0 ] && [ -z "${MEGATRON_TMA_COMMIT:-}" ] && [ ! -d .git ]; then
+  echo "WARNING: MEGATRON_TMA_COMMIT unset and no .git: results will say commit 'unknown' (use scripts/device_command.sh)"
+fi
 for b in "$@"; do
   name=${b%%:*}; flag=""; [ "$b" != "$name" ] && flag="--${b#*:}"
   t0=$(date +%s)
