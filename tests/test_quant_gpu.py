@@ -227,6 +227,16 @@ def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused):
     run_fused(x, sizes) if fused else run_grouped(x, sizes)
 
 
+@pytest.mark.parametrize("num_groups", [3500, 8192])
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+def test_grouped_many_groups(gen, num_groups, fused):
+    # The group arrays live in dynamic shared memory (8 bytes per group) next to ~23 KB of static shared
+    # memory: from G ~ 3200 the launch needs the opt-in limit above 48 KB, at the maximum G as well.
+    sizes = make_group_sizes(6000, num_groups, "with_empty", seed=num_groups).tolist()
+    x = special_rows(sum(sizes), 32, gen, torch.bfloat16)
+    run_fused(x, sizes) if fused else run_grouped(x, sizes)
+
+
 def test_grouped_empty_tokens():
     x = torch.zeros(0, 32, dtype=torch.bfloat16, device=DEV)
     qt, s = quantize_grouped_128x1(x, torch.zeros(3, dtype=torch.int32, device=DEV), backend="cuda")

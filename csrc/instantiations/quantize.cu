@@ -2,6 +2,7 @@
 // {bf16, fp16} inputs and {FP32, pow2} scales, picked at run time; the grouped kernel also fused with 1x128.
 #include <climits>
 #include <cstdlib>
+#include <mutex>
 
 #include "megatron_tma/host/quantize.h"
 #include "megatron_tma/kernels/quantize.cuh"
@@ -31,16 +32,24 @@ bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInpu
 
 // Persistent grid: the CTAs that the launch bounds fit on every SM (ctas_per_sm), never more than there are
 // tiles. With very many groups shared memory may fit fewer; the rest then run as a short second wave.
-// Raises the dynamic shared-memory limit when the group arrays need it. Attribute calls only, no stream
-// work and no occupancy query per call: cheap and capture safe.
+// Raises the dynamic shared-memory limit when static + dynamic shared memory exceeds the 48 KB that needs
+// no opt-in (the grouped kernels' group arrays grow with G; the static part alone is ~23 KB, so G > ~3200
+// already needs it). Raised under a lock and never lowered, since launches with other group counts may run
+// concurrently. Attribute calls only, no stream work and no occupancy query per call: cheap and capture safe.
 template <class Params>
 cudaError_t persistent_grid(void (*kernel)(Params), int ctas_per_sm, int smem, int64_t tiles, int* grid) {
   cudaError_t err;
   int dev = 0, sms = 0;
   if ((err = cudaGetDevice(&dev)) != cudaSuccess) return err;
-  if (smem > 48 * 1024 &&
-      (err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
-    return err;
+  if (smem > 0) {
+    static std::mutex raise_mutex;
+    const std::lock_guard<std::mutex> lock(raise_mutex);
+    cudaFuncAttributes attr;
+    if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
+    if (attr.sharedSizeBytes + smem > 48 * 1024 && smem > attr.maxDynamicSharedSizeBytes &&
+        (err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess)
+      return err;
+  }
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return err;
   const int64_t resident = int64_t(sms) * ctas_per_sm;
   *grid = static_cast<int>(tiles < resident ? tiles : resident);
