@@ -107,12 +107,13 @@ namespace {
 
 // Token blocks per work unit of the grouped quantizer: long runs store fewer partial 16-byte chunks (only
 // a run's two ends do) but leave fewer units to balance over the CTAs; keep at least 4 units per CTA.
-// MEGATRON_TMA_QUANT_RUN overrides it (tuning experiments).
-int grouped_run(int64_t tiles, int64_t resident_ctas) {
+// MEGATRON_TMA_QUANT_RUN overrides it (tuning experiments), clamped to [1, token blocks].
+int grouped_run(int64_t mb_max, int64_t tiles, int64_t grid_ctas) {
   const char* env = std::getenv("MEGATRON_TMA_QUANT_RUN");  // read per call: tests switch it
-  if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  const int64_t run = tiles / (4 * resident_ctas);
-  return static_cast<int>(run < 1 ? 1 : run > kGroupedMaxRun ? kGroupedMaxRun : run);
+  const int64_t forced = env != nullptr ? std::atoll(env) : 0;
+  const int64_t run = forced > 0 ? forced : tiles / (4 * grid_ctas);
+  const int64_t cap = forced > 0 ? mb_max : kGroupedMaxRun;
+  return static_cast<int>(run < 1 ? 1 : run > cap ? cap : run);
 }
 
 // Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
@@ -145,12 +146,12 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   if (mb_max * kbs > int64_t(UINT32_MAX)) return cudaErrorInvalidValue;  // unit indices are 32-bit on the device
   const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
   const int smem = grouped_dynamic_smem(G);
-  int grid = 0, resident = 0;
-  cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &resident);
+  int grid = 0;  // first the persistent grid for one tile per unit, then for the units
+  const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &grid);
   if (err != cudaSuccess) return err;
-  p.run = grouped_run(mb_max * kbs, resident);
+  p.run = grouped_run(mb_max, mb_max * kbs, grid);
   const int64_t units = cdiv(mb_max, p.run) * kbs;
-  grid = static_cast<int>(units < resident ? units : resident);
+  grid = static_cast<int>(units < grid ? units : grid);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
