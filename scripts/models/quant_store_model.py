@@ -1,7 +1,8 @@
 """Python model of the grouped quantizers' store schemes (csrc/include/megatron_tma/kernels/quantize.cuh), used
 to check their byte bookkeeping before running them: every token byte of a qt row written exactly once and
-nothing outside [0, M), for runs of 1-8 blocks over hundreds of group layouts. Two schemes: 16-byte chunks
-(store_token_rows: parked tail chunks) and whole 128-byte lines (store_token_lines: parked line heads).
+nothing outside [0, M), for runs of 1-8 blocks over hundreds of group layouts. This models the whole
+128-byte line scheme (store_token_lines: parked line heads), lane by lane: lane j of a row owns chunk j of
+line A (completed with the parked bytes) and of line B (parked for the next block of the run).
 
     python scripts/models/quant_store_model.py
 """
