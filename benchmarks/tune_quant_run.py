@@ -3,7 +3,8 @@
 The grouped quantizers hand each CTA runs of consecutive 128-token blocks; the launcher picks the run length
 (min(8, tiles / (4 x resident CTAs))). MEGATRON_TMA_QUANT_RUN, read on every call, overrides it; this script
 times each length on a few shapes, for two kinds of input: plain Gaussian rows, and the benchmark's rows
-with per-row magnitudes 2^-8..2^8 (bench_quant.py). Same timing protocol as the benchmarks (CUDA events, L2
+with per-row magnitudes 2^-8..2^8 (bench_quant.py), and (--lines 1,0) with the whole-line stores on and off
+(MEGATRON_TMA_QUANT_LINES; every shape here has 128-byte aligned qt rows). Same timing protocol as the benchmarks (CUDA events, L2
 flushed, median). Prints TB/s of bytes read + written; writes nothing.
 
     python benchmarks/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
@@ -29,10 +30,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="0,1,2,4,8,16")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--lines", default="1", help="whole-line stores: 1, 0 or 1,0")
     args = ap.parse_args()
     runs = [int(r) for r in args.runs.split(",")]
+    lines = args.lines.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'M':>6} {'K':>5} {'G':>4} {'kernel':7} {'input':8} " + " ".join(f"{'run=' + str(r):>8}" for r in runs))
+    print(f"{'M':>6} {'K':>5} {'G':>4} {'kernel':7} {'input':8} {'lines':5} " + " ".join(f"{'run=' + str(r):>8}" for r in runs))
     for m, k, G, fused in SHAPES:
         groups = make_group_sizes(m, G, "paper", seed=2000 + m + G).cuda()
         f = quantize_1x128_and_grouped_128x1 if fused else quantize_grouped_128x1
@@ -40,13 +43,17 @@ def main():
         for kind in ("gaussian", "spread"):
             x = (torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) if kind == "gaussian"
                  else _rows_with_spread(m, k, gen))
-            cells = []
-            for r in runs:
-                os.environ["MEGATRON_TMA_QUANT_RUN"] = str(r)
-                ms = common.bench(lambda: f(x, groups, False, backend="cuda"), iters=args.iters)
-                cells.append(f"{nbytes / ms / 1e9:8.2f}")
+            for ln in lines:
+                os.environ["MEGATRON_TMA_QUANT_LINES"] = ln
+                cells = []
+                for r in runs:
+                    os.environ["MEGATRON_TMA_QUANT_RUN"] = str(r)
+                    ms = common.bench(lambda: f(x, groups, False, backend="cuda"), iters=args.iters)
+                    cells.append(f"{nbytes / ms / 1e9:8.2f}")
+                print(f"{m:>6} {k:>5} {G:>4} {'fused' if fused else 'columns':7} {kind:8} {ln:5} " + " ".join(cells),
+                      flush=True)
             os.environ.pop("MEGATRON_TMA_QUANT_RUN", None)
-            print(f"{m:>6} {k:>5} {G:>4} {'fused' if fused else 'columns':7} {kind:8} " + " ".join(cells), flush=True)
+            os.environ.pop("MEGATRON_TMA_QUANT_LINES", None)
             del x
             torch.cuda.empty_cache()
 

@@ -33,13 +33,16 @@ ref = R.k_grouped_ref64(dyt, dys, xt, xs, sizes)
 dk = max(R.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
 print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}", flush=True)
 # The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
-# parked-tail / merged-head path runs on this small input too (memcheck covers it).
+# parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
 pairs = [(quant.quantize_1x128(x, backend="cuda"), R.quantize_1x128(x)),
          (quant.quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)),
          (quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)),
          (quant.quantize_1x128_and_grouped_128x1(dy, sizes, backend="cuda"),
           R.quantize_1x128(dy) + R.quantize_grouped_128x1(dy, sizes))]
+os.environ["MEGATRON_TMA_QUANT_LINES"] = "0"  # M = 256: whole-line stores by default; the chunk path too
+pairs.append((quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)))
+del os.environ["MEGATRON_TMA_QUANT_LINES"]
 torch.cuda.synchronize()
 as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
 qok = all(torch.equal(as_bits(o), as_bits(r)) for out, ref in pairs for o, r in zip(out, ref))

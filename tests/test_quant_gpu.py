@@ -210,19 +210,32 @@ def run_fused(x, sizes, pow2=False):
 # straddles two blocks of a run whole (the first block parks its tail bytes, the next merges its head). The
 # run length is a launch heuristic (1 on small inputs), so force each length: starts at every residue mod 16,
 # groups smaller than a chunk (several blocks merge into one chunk), empty groups, runs ending on unused blocks.
+# When the qt pitch ceil(M/16)*16 is a multiple of 128 the qt rows are 128-byte aligned and the kernels store
+# whole 128-byte lines (the parked bytes are then up to a whole line); the "_m128" layouts total a multiple of
+# 128 to reach that path, the others (pitch not a multiple of 128) the 16-byte chunk path.
+# MEGATRON_TMA_QUANT_LINES=0 forces the chunk path.
 RUN_LAYOUTS = {
     "residues": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1],
+    "residues_m128": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1, 81],
     "tiny": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300],
+    "tiny_m128": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300, 1, 1, 19, 1],
     "paper": make_group_sizes(9000, 16, "paper", seed=11).tolist(),
+    "paper_m128": make_group_sizes(8960, 16, "paper", seed=12).tolist(),
 }
 
 
+@pytest.mark.parametrize("lines", [True, False], ids=["lines", "chunks"])
 @pytest.mark.parametrize("run", [1, 2, 3, 8])
 @pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
 @pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
-def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused):
+def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused, lines):
+    if not lines and not layout.endswith("_m128"):
+        pytest.skip("the chunk path is the only one for this layout (covered by lines=True)")
     monkeypatch.setenv("MEGATRON_TMA_QUANT_RUN", str(run))
+    if not lines:
+        monkeypatch.setenv("MEGATRON_TMA_QUANT_LINES", "0")
     sizes = RUN_LAYOUTS[layout]
+    assert (-(-sum(sizes) // 16) * 16 % 128 == 0) == layout.endswith("_m128")
     x = special_rows(sum(sizes), 272, gen, torch.bfloat16)
     run_fused(x, sizes) if fused else run_grouped(x, sizes)
 

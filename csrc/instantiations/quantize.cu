@@ -150,6 +150,11 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &grid);
   if (err != cudaSuccess) return err;
   p.run = grouped_run(mb_max, mb_max * kbs, grid);
+  // Whole-line stores need every qt row to start on a 128-byte line. MEGATRON_TMA_QUANT_LINES=0 disables
+  // them (A/B experiments).
+  const char* lines_env = std::getenv("MEGATRON_TMA_QUANT_LINES");
+  p.line_stores = qt_ld % 128 == 0 && reinterpret_cast<uintptr_t>(qt) % 128 == 0 &&
+                  !(lines_env != nullptr && std::atoi(lines_env) == 0);
   const int64_t units = cdiv(mb_max, p.run) * kbs;
   grid = static_cast<int>(units < grid ? units : grid);
   kernel<<<grid, kThreads, smem, stream>>>(p);

@@ -366,6 +366,7 @@ struct QuantizeGroupedParams {
   int64_t qt_ld;    // multiple of 16, >= m
   int mb_max;       // m / 128 + G: rows of s; rows past the used blocks are written as 0
   int run;          // token blocks per work unit (>= 1): a CTA quantizes blocks b..b+run-1 of one column block
+  int line_stores;  // qt rows are 128-byte aligned: store whole 128-byte lines (store_token_lines)
   // The fused 1x128 outputs (kAlso1x128 only), as in Quantize1x128Params.
   uint8_t* q;       // e4m3 [m, k]
   float* s1;        // storage [ceil(k/128), s1_ld], entries m..s1_ld-1 written as 1.0
@@ -507,6 +508,90 @@ __device__ __forceinline__ int store_token_rows(const uint8_t* tile, uint8_t* ds
   return park_tail ? (head_is_tail ? head_lo : 0) : -1;
 }
 
+// ---- Line-aligned variant (qt rows 128-byte aligned in memory: qt_ld % 128 == 0) -----------------------
+// Tile row t's chunk pair (k-1, k) shifted to destination alignment: tile bytes [16k - a_lo, 16k - a_lo + 16)
+// (kQ = (16 - a_lo) / 4 as a template parameter, r = 8 * ((16 - a_lo) % 4); kQ < 0: a_lo == 0, chunk k).
+// Chunks outside the tile read as zero (their bytes are never stored).
+template <int kQ>
+__device__ __forceinline__ uint4 shifted_chunk(const uint8_t* tile, int t, int k, int r) {
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint4 cur = (k >= 0 && k < 8) ? TransposedTile::read(tile, t, min(max(k, 0), 7)) : zero;
+  if constexpr (kQ < 0) {
+    return cur;
+  } else {
+    const uint4 prev = (k >= 1 && k <= 8) ? TransposedTile::read(tile, t, min(max(k - 1, 0), 7)) : zero;
+    const uint32_t w[8] = {prev.x, prev.y, prev.z, prev.w, cur.x, cur.y, cur.z, cur.w};
+    return make_uint4(__funnelshift_r(w[kQ], w[kQ + 1], r), __funnelshift_r(w[kQ + 1], w[kQ + 2], r),
+                      __funnelshift_r(w[kQ + 2], w[kQ + 3], r), __funnelshift_r(w[kQ + 3], w[kQ + 4], r));
+  }
+}
+
+// Bytes [lo, hi) of a 16-byte chunk (clamped to [0, 16); nothing when empty), whole when they cover it.
+__device__ __forceinline__ void store_chunk_range(uint8_t* dst, const uint4& v, int lo, int hi) {
+  lo = min(max(lo, 0), 16);
+  hi = min(max(hi, 0), 16);
+  if (hi <= lo) return;
+  if (lo == 0 && hi == 16) store16(dst, v); else store_bytes(dst, v, lo, hi);
+}
+
+// store_token_rows for 128-byte aligned qt rows: the destination is cut into whole 128-byte lines instead of
+// 16-byte chunks. Partial line writes are what the chunk scheme still leaves at every block edge (a block's
+// 128 tokens straddle two lines), and writing part of a line costs more than writing it whole once L2
+// keeps lines compressed (PyTorch's allocations here are compressible memory: ncu shows every write going
+// through the L2 compression unit). A block starting at a = row0 % 128 completes line A (bytes [a, 128),
+// the first a bytes coming from the previous block of the run, parked in `carry`) and parks the head of
+// line B (bytes [0, a + rows - 128)) for the next block, so inside a run every store is a whole line: lane j
+// of a row's eight lanes owns chunk j of both lines and carry[t][j] (read before it is rewritten, so one
+// buffer suffices). A block that ends inside line A parks line A itself. Only a run's ends write partial
+// lines. `carry_lo`: as in store_token_rows, for line A.
+template <int kQ>
+__device__ __forceinline__ int store_token_lines(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
+                                                 int row0, int rows, int carry_lo, uint4* carry, bool keep_tail,
+                                                 int r) {
+  const int a = row0 & 127, end = a + rows, a_hi = a >> 4;
+  uint8_t* base = dst_row0 + (row0 - a);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = lane & 7;
+  const int lo = carry_lo >= 0 ? carry_lo : a;
+  const int n_prev = min(max(a - 16 * j, 0), 16);  // bytes of line-A chunk j before the block (from carry)
+  const bool a_done = end >= 128, has_b = end > 128;
+  constexpr int kRowsPerWarp = kBlock / kWarps;
+#pragma unroll
+  for (int step = 0; step < kRowsPerWarp / 4; ++step) {
+    const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
+    if (t >= kvalid) break;
+    uint8_t* dst = base + t * ld + 16 * j;
+    uint4& parked = carry[t * 8 + j];
+    uint4 va = shifted_chunk<kQ>(tile, t, j - a_hi, r);
+    if (carry_lo >= 0 && n_prev > 0) va = merge_bytes(parked, va, n_prev);
+    if (a_done) {
+      store_chunk_range(dst, va, lo - 16 * j, 16);
+      if (has_b) {
+        const uint4 vb = shifted_chunk<kQ>(tile, t, 8 + j - a_hi, r);
+        if (keep_tail) parked = vb;
+        else store_chunk_range(dst + 128, vb, 0, end - 128 - 16 * j);
+      }
+    } else if (keep_tail) {
+      parked = va;
+    } else {
+      store_chunk_range(dst, va, lo - 16 * j, end - 16 * j);
+    }
+  }
+  if (!keep_tail) return -1;
+  return a_done ? (has_b ? 0 : -1) : lo;
+}
+
+__device__ __forceinline__ int store_token_lines_any(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
+                                                     int row0, int rows, int carry_lo, uint4* carry, bool keep_tail) {
+  const int a_lo = row0 & 15, sh = 16 - a_lo, r = (sh & 3) * 8;
+  switch (a_lo == 0 ? -1 : sh >> 2) {
+    case -1: return store_token_lines<-1>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
+    case 0: return store_token_lines<0>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
+    case 1: return store_token_lines<1>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
+    case 2: return store_token_lines<2>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
+    default: return store_token_lines<3>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
+  }
+}
+
 // The 1x128 half of the fused kernel for one tile: every row of a token block lies in exactly one tile per
 // column block, so the tile's rows x 128 columns are exactly the 1x128 blocks of those rows. Row amax
 // over the 16 lanes that share the row group; every lane derives the 8 row scales itself (no runtime
@@ -547,7 +632,9 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   __shared__ uint4 col_amax[kWarps][16];     // per warp: 16-bit |x| maxima of the 128 columns, packed
   __shared__ __align__(16) float col_mul[kBlock];
   __shared__ long long scan_scratch[32];
-  __shared__ uint4 carry[2][kBlock];         // a run's parked tail chunks, one per qt row (double-buffered)
+  // A run's parked bytes: 16-byte tail chunks [2][kBlock] (store_token_rows, double-buffered), or whole
+  // 128-byte line heads [kBlock][8] (store_token_lines).
+  __shared__ uint4 carry[kBlock * 8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SubTile sub;
   const int G = p.groups.num_groups;
@@ -660,8 +747,12 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
 
     uint8_t* qt_rows = p.qt + int64_t(k0) * p.qt_ld;
     if (tb.rows > 0)
-      carry_lo = store_token_rows(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo, carry[cur.j & 1],
-                                  nxt.u == cur.u && next.rows > 0, carry[(cur.j + 1) & 1]);
+      carry_lo = p.line_stores
+                     ? store_token_lines_any(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo, carry,
+                                             nxt.u == cur.u && next.rows > 0)
+                     : store_token_rows(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo,
+                                        carry + (cur.j & 1) * kBlock, nxt.u == cur.u && next.rows > 0,
+                                        carry + ((cur.j + 1) & 1) * kBlock);
     // Padding that belongs to no token block (the qt pitch columns m..qt_ld-1, the 1x128 scale entries
     // m..s1_ld-1): the tiles of the last block index, one per column block, write it.
     if (b == p.mb_max - 1) {
