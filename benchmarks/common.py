@@ -11,8 +11,15 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 
 import torch
+
+# Benchmarks run from a source checkout with the extension built in place (setup.py build_ext --inplace):
+# make the checkout's package importable whatever the caller's working directory or PYTHONPATH.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(1, _REPO_ROOT)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _FLUSH = None

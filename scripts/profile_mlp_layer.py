@@ -1,0 +1,109 @@
+"""Where one expert-MLP training step spends its GPU time: the kernels of `ours` and `padded_path` (and `bf16`)
+side by side, per step, from torch.profiler. It answers "which kernel should be made faster next" for the layer
+benchmark (benchmarks/bench_mlp_layer.py builds the same step).
+
+    python scripts/profile_mlp_layer.py [--config mixtral:8:32768] [--steps 3] [--json FILE]
+
+--config model:G:M (models of bench_mlp_layer.py; repeat the flag for several). Kernel names are shortened to
+their function name; time is the sum over the profiled steps divided by the step count.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_mlp_layer as bml  # noqa: E402
+
+from megatron_tma.groups import make_group_sizes  # noqa: E402
+from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
+
+
+def short_name(name):
+    """'void megatron_tma::k_grouped_kernel<Cfg<4> >(Params)' -> 'k_grouped_kernel<Cfg<4> >'."""
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"\(.*\)$", "", name)
+    name = re.sub(r"^(\w+::)+", "", name)
+    return name[:90]
+
+
+def kernel_times(step, steps):
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = evt.cuda_time_total
+        if t > 0 and evt.key and not evt.key.startswith("ProfilerStep"):
+            k = short_name(evt.key)
+            times[k] = times.get(k, 0.0) + t / 1000.0 / steps
+    return times
+
+
+def profile_config(model, G, M, steps, seed=2010):
+    H, F, _ = bml.MODELS[model]
+    sizes = make_group_sizes(M, G, "paper", seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16().requires_grad_()
+    probs = torch.rand(M, generator=gen, device="cuda").requires_grad_()
+    dy = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+    torch.manual_seed(seed)
+    mods = {"ours": GroupedFP8MLP(G, H, F, "swiglu", device="cuda"),
+            "padded_path": GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, device="cuda"),
+            "bf16": GroupedBF16MLP(G, H, F, "swiglu", device="cuda")}
+    groups = sizes.cuda()
+    result = {}
+    for name, mod in mods.items():
+        result[name] = kernel_times(bml.Step(mod, x, groups, probs, dy, requantize=True), steps)
+    del mods
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_table(title, result):
+    names = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
+    methods = list(result)
+    print(f"\n{title}: GPU ms per fwd+bwd step, by kernel")
+    print(f"{'kernel':92} " + " ".join(f"{m:>11}" for m in methods))
+    for k in names:
+        print(f"{k:92} " + " ".join(f"{result[m].get(k, 0.0):11.3f}" for m in methods))
+    print(f"{'TOTAL (sum of kernel times)':92} " + " ".join(f"{sum(result[m].values()):11.3f}" for m in methods))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", help="model:G:M, e.g. mixtral:8:32768")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write {config: {method: {kernel: ms}}} here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_mlp_layer: needs a CUDA GPU")
+    configs = args.config or ["mixtral:8:32768", "deepseek_v3:32:32768"]
+    out = {}
+    for c in configs:
+        try:
+            model, G, M = c.split(":")
+            G, M = int(G), int(M)
+        except ValueError:
+            sys.exit(f"profile_mlp_layer: --config wants model:G:M, got {c!r}")
+        if model not in bml.MODELS:
+            sys.exit(f"profile_mlp_layer: unknown model {model!r}; one of {sorted(bml.MODELS)}")
+        out[c] = profile_config(model, G, M, args.steps)
+        print_table(c, out[c])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
