@@ -6,6 +6,9 @@ same inputs:
     padded_path   GroupedFP8MLP(pad_to=128): pad every expert's rows with zero rows, the same kernels, un-pad
     bf16          GroupedBF16MLP: the same layer on BF16 torch._grouped_mm (PyTorch's autograd)
 
+All three run the same fused activation kernel (megatron_tma.activation), so the comparison measures the GEMMs,
+quantization and padding, not the activation.
+
 Each timed step re-quantizes the FP8 weights (a training step changes them; `--cached-weights` measures later
 micro-batches, which reuse the copies). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
 what was allocated before it (weights and inputs exist, gradients and FP8 weight copies do not): the memory the step

@@ -3,8 +3,8 @@
 The grouped quantizers hand each CTA runs of consecutive 128-token blocks; the launcher picks the run length
 (min(8, tiles / (4 x resident CTAs))). MEGATRON_TMA_QUANT_RUN, read on every call, overrides it; this script
 times each length on a few shapes, for two kinds of input: plain Gaussian rows, and the benchmark's rows
-with per-row magnitudes 2^-8..2^8 (bench_quant.py), and (--lines 1,0) with the whole-line stores on and off
-(MEGATRON_TMA_QUANT_LINES; every shape here has 128-byte aligned qt rows). Same timing protocol as the benchmarks (CUDA events, L2
+with per-row magnitudes 2^-8..2^8 (bench_quant.py), and (--lines auto,1,0) with the whole-line stores as the
+launcher picks them, forced on, forced off (MEGATRON_TMA_QUANT_LINES; every shape here has 128-byte aligned qt rows). Same timing protocol as the benchmarks (CUDA events, L2
 flushed, median). Prints TB/s of bytes read + written; writes nothing.
 
     python benchmarks/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
@@ -30,7 +30,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="0,1,2,4,8,16")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--lines", default="1", help="whole-line stores: 1, 0 or 1,0")
+    ap.add_argument("--lines", default="auto", help="whole-line stores: any of auto (launcher's choice), 1, 0")
     args = ap.parse_args()
     runs = [int(r) for r in args.runs.split(",")]
     lines = args.lines.split(",")
@@ -44,7 +44,10 @@ def main():
             x = (torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) if kind == "gaussian"
                  else _rows_with_spread(m, k, gen))
             for ln in lines:
-                os.environ["MEGATRON_TMA_QUANT_LINES"] = ln
+                if ln == "auto":
+                    os.environ.pop("MEGATRON_TMA_QUANT_LINES", None)
+                else:
+                    os.environ["MEGATRON_TMA_QUANT_LINES"] = ln
                 cells = []
                 for r in runs:
                     os.environ["MEGATRON_TMA_QUANT_RUN"] = str(r)

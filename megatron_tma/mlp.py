@@ -7,7 +7,8 @@ read on the host) and the permuted routing probs `[T]` -- and returns `(out, Non
 
     h = fc1(x)                      FP8 grouped linear, [T, H] -> [T, 2F] (SwiGLU) or [T, F]
     z = act(h) * probs              in FP32 from the BF16 h, rounded once to BF16 (SwiGLU: silu(h[:, :F]) * h[:, F:],
-                                    the gate half first, as Megatron)
+                                    the gate half first, as Megatron); megatron_tma.activation, one fused CUDA
+                                    kernel each way on Hopper
     out = fc2(z)                    FP8 grouped linear, [T, F] -> [T, H]
 
 Parameters are `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one per expert, the names
@@ -24,7 +25,8 @@ kernels the padded buffers have `padding.padded_row_count_upper_bound` rows (no 
 real padded total belong to no expert and are never read. With the reference backend, which reads the sizes on the
 host anyway, they have exactly the padded total.
 
-`GroupedBF16MLP` is the same layer with BF16 `torch._grouped_mm` GEMMs (PyTorch's own autograd), for comparison.
+`GroupedBF16MLP` is the same layer with BF16 `torch._grouped_mm` GEMMs (PyTorch's own autograd) and the same
+activation, for comparison.
 
 Megatron integration: the FP8 weight copies are cached per weight version; Megatron's `set_is_first_microbatch()`
 sets `is_first_microbatch` on every module that has it (as for Transformer Engine), and the linears here then
@@ -35,11 +37,11 @@ import functools
 from typing import Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import _ext
 from ._validate import check_same_device, check_tensor
+from .activation import ACTIVATIONS, activation_times_probs
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights
 from .groups import normalize_groups, padded_sizes, sizes_to_offsets
 from .padding import padded_row_count_upper_bound
@@ -47,87 +49,7 @@ from .padding import padded_row_count_upper_bound
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
            "activation_times_probs"]
 
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 PAD_TO = (None, 16, 128)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Activation times probs
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        return F.silu(h[:, :f]) * h[:, f:]
-    if activation == "gelu":
-        return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
-    return torch.relu(h).square()
-
-
-def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    """d act(h) / dh applied to da, for FP32 h."""
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        gate, up = h[:, :f], h[:, f:]
-        return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(da, h)
-    return da * (2.0 * torch.relu(h))
-
-
-def _row_sum(v: torch.Tensor) -> torch.Tensor:
-    """Row sums of an FP32 `[T, F]` tensor by pairwise halving, so that each row's rounding is fixed by F alone.
-
-    torch's reductions split a row's sum differently depending on how many rows there are (threads on the CPU,
-    CTAs per output on the GPU), which would make the padded twin's probs gradient differ in the last bit.
-    Elementwise adds of column halves do not (about log2(F) small launches; twice the traffic of one pass).
-    """
-    while v.shape[1] > 1:
-        half = v.shape[1] // 2
-        s = v[:, :half] + v[:, half : 2 * half]
-        if v.shape[1] % 2:
-            s[:, :1] += v[:, -1:]
-        v = s
-    return v[:, 0]
-
-
-class _ActivationTimesProbs(torch.autograd.Function):
-    """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to BF16. Saves only h and probs: the
-    backward recomputes the activation (memory of one BF16 [T, 2F] tensor instead of FP32 intermediates)."""
-
-    @staticmethod
-    def forward(ctx, h, probs, activation):
-        ctx.activation = activation
-        ctx.save_for_backward(h, probs)
-        a = _activation(h.float(), activation)
-        if probs is not None:
-            a.mul_(probs.float().unsqueeze(1))
-        return a.to(h.dtype)
-
-    @staticmethod
-    def backward(ctx, dz):
-        h, probs = ctx.saved_tensors
-        h32, dz32 = h.float(), dz.float()
-        dh = dprobs = None
-        if probs is not None and ctx.needs_input_grad[1]:
-            dprobs = _row_sum(dz32 * _activation(h32, ctx.activation)).to(probs.dtype)
-        if ctx.needs_input_grad[0]:
-            da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
-            dh = _activation_backward(da, h32, ctx.activation).to(h.dtype)
-        return dh, dprobs, None
-
-
-def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str) -> torch.Tensor:
-    """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
-
-    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]`.
-    Every element is computed on its own and the probs gradient by a fixed-order row sum, so a row's results do
-    not depend on the other rows (what the padded twin's bit-exactness needs).
-    """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    return _ActivationTimesProbs.apply(h, probs, activation)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -203,8 +125,11 @@ class GroupedBF16Linear(_GroupedWeights):
 
 class _GroupedMLP(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str,
-                 linear: Callable[[int, int, int], nn.Module]):
+                 linear: Callable[[int, int, int], nn.Module], backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        self.backend = backend  # of the activation kernel (and, in GroupedFP8MLP, of the FP8 linears)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
@@ -236,7 +161,7 @@ class _GroupedMLP(nn.Module):
 
     def _mlp(self, x, groups, probs):
         h = self.linear_fc1(x, groups)
-        return self.linear_fc2(activation_times_probs(h, probs, self.activation), groups)
+        return self.linear_fc2(activation_times_probs(h, probs, self.activation, self.backend), groups)
 
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: Optional[torch.Tensor] = None):
@@ -265,8 +190,8 @@ class GroupedFP8MLP(_GroupedMLP):
             )
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales, device=device,
                                    init_method=init_method)
-        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear)
-        self.pad_to, self.backend = pad_to, backend
+        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
+        self.pad_to = pad_to
 
     def invalidate_weight_cache(self) -> None:
         """Re-quantize the weights in the next forward (after updates their version counters do not show)."""
@@ -301,9 +226,11 @@ class GroupedFP8MLP(_GroupedMLP):
 
 
 class GroupedBF16MLP(_GroupedMLP):
-    """The same expert MLP with BF16 `torch._grouped_mm` GEMMs: the BF16 baseline, same parameter names."""
+    """The same expert MLP with BF16 `torch._grouped_mm` GEMMs: the BF16 baseline, same parameter names. The
+    activation is the same fused one as the FP8 module's (`backend` picks it), so that a comparison of the two
+    measures the GEMMs."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", *,
-                 device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
+                 backend: str = "auto", device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
         linear = functools.partial(GroupedBF16Linear, device=device, init_method=init_method)
-        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear)
+        super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)

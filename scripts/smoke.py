@@ -8,6 +8,7 @@ import torch
 import megatron_tma
 from megatron_tma import quant
 from megatron_tma import reference as R
+from megatron_tma.activation import ACTIVATIONS, activation_times_probs
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
 
 print("extension:", megatron_tma.has_extension(), megatron_tma._ext.extension_error(), flush=True)
@@ -35,18 +36,33 @@ print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0
 # The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
 # parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
+os.environ["MEGATRON_TMA_QUANT_LINES"] = "1"  # M = 256 is 128-aligned: force the whole-line stores, then chunks
 pairs = [(quant.quantize_1x128(x, backend="cuda"), R.quantize_1x128(x)),
          (quant.quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)),
          (quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)),
          (quant.quantize_1x128_and_grouped_128x1(dy, sizes, backend="cuda"),
           R.quantize_1x128(dy) + R.quantize_grouped_128x1(dy, sizes))]
-os.environ["MEGATRON_TMA_QUANT_LINES"] = "0"  # M = 256: whole-line stores by default; the chunk path too
+os.environ["MEGATRON_TMA_QUANT_LINES"] = "0"
 pairs.append((quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)))
 del os.environ["MEGATRON_TMA_QUANT_LINES"]
 torch.cuda.synchronize()
 as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
 qok = all(torch.equal(as_bits(o), as_bits(r)) for out, ref in pairs for o, r in zip(out, ref))
 print(f"quantizers bit-exact vs reference: {qok}", flush=True)
-ok = d < 1e-3 and dk < 1e-3 and qok
+# The fused activation kernels, every activation, forward + backward, against the torch path (one bf16 rounding).
+aok = True
+for act in ACTIVATIONS:
+    hh = torch.randn(M, 2 * N if act == "swiglu" else N, device=dev).bfloat16()
+    pp = torch.rand(M, device=dev)
+    outs = []
+    for backend in ("cuda", "reference"):
+        hl, pl = hh.clone().requires_grad_(), pp.clone().requires_grad_()
+        z = activation_times_probs(hl, pl, act, backend=backend)
+        z.backward(torch.ones_like(z))
+        outs.append((z.detach(), hl.grad, pl.grad))
+    torch.cuda.synchronize()
+    aok &= all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6) for a, b in zip(*outs))
+print(f"activation kernels close to the torch path: {aok}", flush=True)
+ok = d < 1e-3 and dk < 1e-3 and qok and aok
 print("SMOKE", "OK" if ok else "FAILED")
 sys.exit(0 if ok else 1)

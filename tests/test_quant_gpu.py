@@ -213,7 +213,7 @@ def run_fused(x, sizes, pow2=False):
 # When the qt pitch ceil(M/16)*16 is a multiple of 128 the qt rows are 128-byte aligned and the kernels store
 # whole 128-byte lines (the parked bytes are then up to a whole line); the "_m128" layouts total a multiple of
 # 128 to reach that path, the others (pitch not a multiple of 128) the 16-byte chunk path.
-# MEGATRON_TMA_QUANT_LINES=0 forces the chunk path.
+# MEGATRON_TMA_QUANT_LINES=1 / 0 forces the line / chunk path (by default lines need >= 1024 tokens per group).
 RUN_LAYOUTS = {
     "residues": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1],
     "residues_m128": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1, 81],
@@ -232,8 +232,7 @@ def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused, lines):
     if not lines and not layout.endswith("_m128"):
         pytest.skip("the chunk path is the only one for this layout (covered by lines=True)")
     monkeypatch.setenv("MEGATRON_TMA_QUANT_RUN", str(run))
-    if not lines:
-        monkeypatch.setenv("MEGATRON_TMA_QUANT_LINES", "0")
+    monkeypatch.setenv("MEGATRON_TMA_QUANT_LINES", "1" if lines else "0")
     sizes = RUN_LAYOUTS[layout]
     assert (-(-sum(sizes) // 16) * 16 % 128 == 0) == layout.endswith("_m128")
     x = special_rows(sum(sizes), 272, gen, torch.bfloat16)

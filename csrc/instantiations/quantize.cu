@@ -105,6 +105,8 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
 
 namespace {
 
+constexpr int kLineStoreMinTokensPerGroup = 1024;
+
 // Token blocks per work unit of the grouped quantizer: long runs store fewer partial 16-byte chunks (only
 // a run's two ends do) but leave fewer units to balance over the CTAs; keep at least 4 units per CTA.
 // MEGATRON_TMA_QUANT_RUN overrides it (tuning experiments), clamped to [1, token blocks].
@@ -114,6 +116,19 @@ int grouped_run(int64_t mb_max, int64_t tiles, int64_t grid_ctas) {
   const int64_t run = forced > 0 ? forced : tiles / (4 * grid_ctas);
   const int64_t cap = forced > 0 ? mb_max : kGroupedMaxRun;
   return static_cast<int>(run < 1 ? 1 : run > cap ? cap : run);
+}
+
+// Whole 128-byte line stores (a block completes the line its run predecessor started and parks the head of
+// the next) need every qt row to start on a 128-byte line. They pay when groups are long: on the H200,
+// [65536, 7168] G=32 2.15 -> 2.69 TB/s and [65536, 4096] G=8 2.40 -> 2.70, but with ~64-256 tokens per
+// group the line heads parked and flushed at group and run ends cost more than they save ([16384, 7168]
+// G=256 1.63 -> 1.28, [8192, 2048] G=32 1.72 -> 1.29; benchmarks/NOTES.md). So: on when the average group
+// spans 1024 tokens or more. MEGATRON_TMA_QUANT_LINES=1 / 0 forces them on (where aligned) / off.
+bool use_line_stores(const void* qt, int64_t qt_ld, int64_t m, int num_groups) {
+  if (qt_ld % 128 != 0 || reinterpret_cast<uintptr_t>(qt) % 128 != 0) return false;
+  const char* env = std::getenv("MEGATRON_TMA_QUANT_LINES");  // read per call: tests switch it
+  if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
+  return m >= int64_t(kLineStoreMinTokensPerGroup) * num_groups;
 }
 
 // Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
@@ -150,11 +165,7 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &grid);
   if (err != cudaSuccess) return err;
   p.run = grouped_run(mb_max, mb_max * kbs, grid);
-  // Whole-line stores need every qt row to start on a 128-byte line. MEGATRON_TMA_QUANT_LINES=0 disables
-  // them (A/B experiments).
-  const char* lines_env = std::getenv("MEGATRON_TMA_QUANT_LINES");
-  p.line_stores = qt_ld % 128 == 0 && reinterpret_cast<uintptr_t>(qt) % 128 == 0 &&
-                  !(lines_env != nullptr && std::atoi(lines_env) == 0);
+  p.line_stores = use_line_stores(qt, qt_ld, m, G);
   const int64_t units = cdiv(mb_max, p.run) * kbs;
   grid = static_cast<int>(units < grid ? units : grid);
   kernel<<<grid, kThreads, smem, stream>>>(p);

@@ -1,0 +1,143 @@
+"""The expert MLP's activation times the routing probs: `z = act(h) * probs[:, None]`, FP32 math from the BF16 h,
+one rounding back to BF16, with gradients for h and the probs.
+
+Two implementations behind the `backend=` switch of every op (megatron_tma._ext.use_cuda):
+* `cuda` (csrc/include/megatron_tma/kernels/activation.cuh): one pass over memory each way; the probs gradient
+  of a row is one CTA's fixed-order sum.
+* `reference`: torch ops on FP32 copies (CPU or GPU), the probs gradient by `_row_sum`'s pairwise halving.
+Both compute every element from its own row only, and each sums a row's probs gradient in an order fixed by F,
+so a row's results never depend on the other rows: what the padded twin's bit-exactness needs. They agree to FP32
+rounding (expf / erff / division may differ in the last bit between the CUDA math library and torch's kernels),
+not bit for bit; the CUDA kernel is checked against float64 and against the torch formulas in the GPU tests.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _ext
+
+__all__ = ["ACTIVATIONS", "activation_times_probs"]
+
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu")  # index = the kernels' activation id (host/activation.h)
+
+
+def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        return F.silu(h[:, :f]) * h[:, f:]
+    if activation == "gelu":
+        return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
+    return torch.relu(h).square()
+
+
+def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(h) / dh applied to da, for FP32 h."""
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        gate, up = h[:, :f], h[:, f:]
+        return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(da, h)
+    return da * (2.0 * torch.relu(h))
+
+
+def _row_sum(v: torch.Tensor) -> torch.Tensor:
+    """Row sums of an FP32 `[T, F]` tensor by pairwise halving, so that each row's rounding is fixed by F alone.
+
+    torch's reductions split a row's sum differently depending on how many rows there are (threads on the CPU,
+    CTAs per output on the GPU), which would make the padded twin's probs gradient differ in the last bit.
+    Elementwise adds of column halves do not (about log2(F) small launches; twice the traffic of one pass).
+    """
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        s = v[:, :half] + v[:, half : 2 * half]
+        if v.shape[1] % 2:
+            s[:, :1] += v[:, -1:]
+        v = s
+    return v[:, 0]
+
+
+def _kernel_probs(probs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if probs is None else probs.float().contiguous()
+
+
+class _ActivationTimesProbs(torch.autograd.Function):
+    """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to BF16. Saves only h and probs: the
+    backward recomputes the activation (memory of one BF16 [T, 2F] tensor instead of FP32 intermediates)."""
+
+    @staticmethod
+    def forward(ctx, h, probs, activation, use_kernel):
+        ctx.activation, ctx.use_kernel = activation, use_kernel
+        ctx.save_for_backward(h, probs)
+        if use_kernel:
+            return _ext.ops().act_times_probs_forward(h, _kernel_probs(probs), ACTIVATIONS.index(activation))
+        a = _activation(h.float(), activation)
+        if probs is not None:
+            a.mul_(probs.float().unsqueeze(1))
+        return a.to(h.dtype)
+
+    @staticmethod
+    def backward(ctx, dz):
+        h, probs = ctx.saved_tensors
+        need_dh, need_dprobs = ctx.needs_input_grad[0], probs is not None and ctx.needs_input_grad[1]
+        if ctx.use_kernel:
+            dh, dprobs = _ext.ops().act_times_probs_backward(
+                dz.contiguous(), h, _kernel_probs(probs), ACTIVATIONS.index(ctx.activation), need_dprobs)
+            return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None), None, None
+        h32, dz32 = h.float(), dz.float()
+        dh = dprobs = None
+        if need_dprobs:
+            dprobs = _row_sum(dz32 * _activation(h32, ctx.activation)).to(probs.dtype)
+        if need_dh:
+            da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
+            dh = _activation_backward(da, h32, ctx.activation).to(h.dtype)
+        return dh, dprobs, None, None
+
+
+def _kernel_fits(h: torch.Tensor, activation: str) -> bool:
+    """What the CUDA kernel takes: contiguous BF16 h, 16-byte aligned, F a multiple of 8."""
+    f = h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
+    return (h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0 and f > 0 and f % 8 == 0
+            and (activation != "swiglu" or h.shape[1] % 2 == 0))
+
+
+def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
+                           backend: str = "auto") -> torch.Tensor:
+    """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
+
+    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
+    BF16; its gradient comes back in its dtype). Every element is computed on its own and the probs gradient by a
+    fixed-order row sum, so a row's results do not depend on the other rows (what the padded twin's bit-exactness
+    needs). backend: "auto" runs the CUDA kernel on an sm_90 GPU with the extension built (and a contiguous BF16
+    h with F % 8 == 0; anything else takes the torch path), "cuda" insists on it, "reference" is torch.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"h must be a 2-D tensor [T, W], got {getattr(h, 'shape', type(h).__name__)}")
+    if activation == "swiglu" and h.shape[1] % 2:
+        raise ValueError(f"swiglu needs h = [gate | up] with an even width, got {list(h.shape)}")
+    if probs is not None and (probs.dim() != 1 or probs.shape[0] != h.shape[0]):
+        raise ValueError(f"probs must be [T] = [{h.shape[0]}], got {list(probs.shape)}")
+    use_kernel = _ext.use_cuda(backend, h.device)
+    if use_kernel and not _kernel_fits(h, activation):
+        if backend == "cuda":
+            raise ValueError(
+                "backend='cuda' needs a contiguous, 16-byte aligned bfloat16 h whose activation has a multiple of "
+                f"8 outputs per row, got {h.dtype} {list(h.shape)}"
+            )
+        use_kernel = False
+    return _ActivationTimesProbs.apply(h, probs, activation, use_kernel)
+
+
+if _ext.has_extension():
+
+    @torch.library.register_fake("megatron_tma::act_times_probs_forward")
+    def _fake_forward(h, probs, activation):
+        f = h.shape[1] // 2 if activation == 0 else h.shape[1]
+        return h.new_empty(h.shape[0], f)
+
+    @torch.library.register_fake("megatron_tma::act_times_probs_backward")
+    def _fake_backward(dz, h, probs, activation, need_dprobs):
+        return torch.empty_like(h), h.new_empty(h.shape[0] if need_dprobs else 0, dtype=torch.float32)
