@@ -1,6 +1,8 @@
-"""Where one expert-MLP training step spends its GPU time: the kernels of `ours` and `padded_path` (and `bf16`)
-side by side, per step, from torch.profiler. It answers "which kernel should be made faster next" for the layer
-benchmark (benchmarks/bench_mlp_layer.py builds the same step).
+"""Where one expert-MLP training step spends its time: the kernels of `ours` and `padded_path` (and `bf16`) side by
+side, per step, from torch.profiler, next to the step's wall time on the GPU (CUDA events, L2 flushed, as the layer
+benchmark) and the host time to enqueue it. Wall minus the kernel sum is time the GPU sat idle inside the step
+(host-bound stretches, synchronisations). It answers "what should be made faster next" for
+benchmarks/bench_mlp_layer.py, which builds the same step.
 
     python scripts/profile_mlp_layer.py [--config mixtral:8:32768] [--steps 3] [--json FILE]
 
@@ -11,13 +13,16 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_mlp_layer as bml  # noqa: E402
+import common  # noqa: E402
 
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
@@ -50,6 +55,29 @@ def kernel_times(step, steps):
     return times
 
 
+def host_ms(step, iters=10):
+    """Median host time to enqueue one step (the GPU drained before each)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def top_cpu_ops(step, count=12):
+    """The host-side ops that take the most self CPU time in one step (ms)."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:count]
+    return {e.key[:60]: round(e.self_cpu_time_total / 1000.0, 3) for e in ops}
+
+
 def profile_config(model, G, M, steps, seed=2010):
     H, F, _ = bml.MODELS[model]
     sizes = make_group_sizes(M, G, "paper", seed)
@@ -63,14 +91,22 @@ def profile_config(model, G, M, steps, seed=2010):
             "bf16": GroupedBF16MLP(G, H, F, "swiglu", device="cuda")}
     groups = sizes.cuda()
     result = {}
+    timing = {}
     for name, mod in mods.items():
-        result[name] = kernel_times(bml.Step(mod, x, groups, probs, dy, requantize=True), steps)
+        step = bml.Step(mod, x, groups, probs, dy, requantize=True)
+        result[name] = kernel_times(step, steps)
+        timing[name] = {"wall_ms": common.bench(step, iters=10, warmup=2), "host_ms": host_ms(step),
+                        "kernel_ms": sum(result[name].values())}
+        if name == "ours":
+            timing[name]["top_cpu_ops_ms"] = top_cpu_ops(step)
+    result["_timing"] = timing
     del mods
     torch.cuda.empty_cache()
     return result
 
 
 def print_table(title, result):
+    timing = result.pop("_timing")
     names = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
     methods = list(result)
     print(f"\n{title}: GPU ms per fwd+bwd step, by kernel")
@@ -78,6 +114,13 @@ def print_table(title, result):
     for k in names:
         print(f"{k:92} " + " ".join(f"{result[m].get(k, 0.0):11.3f}" for m in methods))
     print(f"{'TOTAL (sum of kernel times)':92} " + " ".join(f"{sum(result[m].values()):11.3f}" for m in methods))
+    for key, label in (("wall_ms", "step wall time (CUDA events, L2 flushed)"),
+                       ("host_ms", "host time to enqueue the step")):
+        print(f"{label:92} " + " ".join(f"{timing[m][key]:11.3f}" for m in methods))
+    print(f"{'GPU idle inside the step (wall - kernel sum)':92} " +
+          " ".join(f"{timing[m]['wall_ms'] - timing[m]['kernel_ms']:11.3f}" for m in methods))
+    print("ours, top host ops by self CPU ms:", timing["ours"]["top_cpu_ops_ms"])
+    result["_timing"] = timing
 
 
 def main():

@@ -40,8 +40,9 @@ def run(h, p, dz, activation, backend):
 
 
 def within_one_rounding(x, ref):
-    """x (bf16) is ref (float64) rounded once to bf16 after FP32 math: relative error <= 2^-8."""
-    return bool(((x.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-30).all())
+    """x (bf16) is ref (float64) rounded once to bf16 after FP32 math: relative error <= 2^-8 (plus FP32 noise
+    for values near zero: silu's and GELU's tails come out of an exp that is itself rounded)."""
+    return bool(((x.double() - ref).abs() <= 2**-8 * ref.abs() + 1e-12).all())
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -69,12 +70,15 @@ def test_close_to_the_torch_path(activation):
     """The kernel and the torch reference path differ at most by one bf16 rounding step (expf, erff and division
     may differ in the last FP32 bit)."""
     h, p, dz = inputs(512, 1024, activation, seed=5)
-    for a, b in zip(run(h, p, dz, activation, "cuda"), run(h, p, dz, activation, "reference")):
-        ulp = torch.finfo(torch.bfloat16).eps * b.double().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-        if a.dtype == torch.bfloat16:
-            assert ((a.double() - b.double()).abs() <= ulp).all()
-        else:
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    (z, dh, dp), (rz, rdh, rdp) = run(h, p, dz, activation, "cuda"), run(h, p, dz, activation, "reference")
+    for a, b in ((z, rz), (dh, rdh)):
+        # one bf16 step of the larger of the two, or FP32 noise for values near zero (GELU's tail: the kernel's
+        # erfc form keeps bits that torch's 1 + erf loses)
+        ulp = torch.finfo(torch.bfloat16).eps * torch.maximum(a.double().abs(), b.double().abs())
+        assert ((a.double() - b.double()).abs() <= ulp + 1e-6).all()
+    # the probs gradient is a row sum with cancellation: compare against the sum of the magnitudes
+    scale = (dz.double() * act64(h.double(), activation)).abs().sum(1)
+    assert ((dp.double() - rdp.double()).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> act_times_probs_backward(const at::Tensor& dz
                                                             int64_t activation, bool need_dprobs) {
   const int64_t f = check_h(h, activation);
   const float* p = probs_ptr(probs, h);
-  TORCH_CHECK_VALUE(!need_dprobs || p != nullptr, "the probs gradient needs probs");
+  TORCH_CHECK_VALUE(!need_dprobs || probs.has_value(), "the probs gradient needs probs");
   TORCH_CHECK_TYPE(dz.scalar_type() == at::kBFloat16, "dz must be bfloat16, got ", dz.scalar_type());
   TORCH_CHECK_VALUE(dz.device() == h.device() && dz.dim() == 2 && dz.size(0) == h.size(0) && dz.size(1) == f &&
                         dz.is_contiguous() && aligned16(dz),

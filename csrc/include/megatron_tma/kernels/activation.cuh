@@ -50,7 +50,9 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 // relu that keeps NaN (as torch.relu does; fmaxf would turn it into 0).
 __device__ __forceinline__ float relu(float x) { return x > 0.0f || x != x ? x : 0.0f; }
 
-__device__ __forceinline__ float gelu_cdf(float x) { return 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
+// Phi(x) = (1 + erf(x / sqrt 2)) / 2, written as erfc(-x / sqrt 2) / 2: the same value without the cancellation
+// of 1 + erf for negative x (where GELU's outputs are tiny and 1 + erf would keep only a few bits of them).
+__device__ __forceinline__ float gelu_cdf(float x) { return 0.5f * erfcf(x * -0.70710678118654752f); }
 
 // act(h) for one element: x is the gate (SwiGLU) or the input, u the up value (SwiGLU only).
 template <Act A>
