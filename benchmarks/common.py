@@ -55,10 +55,10 @@ def bench(fn, iters: int = 25, warmup: int = 5, flush: bool = True) -> float:
 def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
     an L2 flush), so that clock and power drift over the run falls on every method alike. The order rotates
-    every round, so that each method follows every other equally often: with a fixed order a method may carry
-    what the one before it leaves behind (on the H200 the Mixtral-sized FP8 layer step measured 54.3 ms alone and
-    61.2 ms when always timed right after the BF16 step, its padded twin 55.3 and 56.4; the cause was not
-    isolated). A callable that raises is reported as the exception's text instead of a time."""
+    every round, so that each method follows every other equally often and no position effect falls on one
+    method only. (Seen on the H200, not explained: the Mixtral-sized FP8 layer step measures 54.3 ms timed
+    alone and ~61.5 ms interleaved, with a fixed order and with this rotation alike, while its padded twin
+    measures 55.3 / ~57.5.) A callable that raises is reported as the exception's text instead of a time."""
     results, live = {}, dict(fns)
     for name, fn in list(live.items()):
         try:
