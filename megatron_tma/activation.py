@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from . import _ext
 
@@ -78,12 +79,16 @@ class _ActivationTimesProbs(torch.autograd.Function):
         return a.to(h.dtype)
 
     @staticmethod
+    @once_differentiable  # the kernel path has no double backward; say so instead of differentiating casts
     def backward(ctx, dz):
         h, probs = ctx.saved_tensors
         need_dh, need_dprobs = ctx.needs_input_grad[0], probs is not None and ctx.needs_input_grad[1]
         if ctx.use_kernel:
+            dz = dz.contiguous()
+            if not _aligned16(dz):  # a view into another buffer: the kernel reads 16-byte vectors
+                dz = dz.clone()
             dh, dprobs = _ext.ops().act_times_probs_backward(
-                dz.contiguous(), h, _kernel_probs(probs), ACTIVATIONS.index(ctx.activation), need_dprobs)
+                dz, h, _kernel_probs(probs), ACTIVATIONS.index(ctx.activation), need_dprobs)
             return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None), None, None
         h32, dz32 = h.float(), dz.float()
         dh = dprobs = None
@@ -95,11 +100,16 @@ class _ActivationTimesProbs(torch.autograd.Function):
         return dh, dprobs, None, None
 
 
+def _aligned16(t: torch.Tensor) -> bool:
+    """16-byte aligned start, judged from the storage offset (the caching allocator's blocks are 512-byte aligned;
+    `data_ptr()` would break torch.compile graphs). The binding checks the real address."""
+    return t.storage_offset() * t.element_size() % 16 == 0
+
+
 def _kernel_fits(h: torch.Tensor, activation: str) -> bool:
     """What the CUDA kernel takes: contiguous BF16 h, 16-byte aligned, F a multiple of 8."""
     f = h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
-    return (h.dtype == torch.bfloat16 and h.is_contiguous() and h.data_ptr() % 16 == 0 and f > 0 and f % 8 == 0
-            and (activation != "swiglu" or h.shape[1] % 2 == 0))
+    return h.dtype == torch.bfloat16 and h.is_contiguous() and _aligned16(h) and f % 8 == 0
 
 
 def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
@@ -118,6 +128,8 @@ def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activ
         raise ValueError(f"h must be a 2-D tensor [T, W], got {getattr(h, 'shape', type(h).__name__)}")
     if activation == "swiglu" and h.shape[1] % 2:
         raise ValueError(f"swiglu needs h = [gate | up] with an even width, got {list(h.shape)}")
+    if h.shape[1] == 0:
+        raise ValueError(f"h must have at least one column per activation output, got {list(h.shape)}")
     if probs is not None and (probs.dim() != 1 or probs.shape[0] != h.shape[0]):
         raise ValueError(f"probs must be [T] = [{h.shape[0]}], got {list(probs.shape)}")
     use_kernel = _ext.use_cuda(backend, h.device)

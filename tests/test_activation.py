@@ -65,6 +65,8 @@ def test_errors(gen):
         activation_times_probs(h, p, "relu")
     with pytest.raises(ValueError, match="swiglu needs h = \\[gate \\| up\\] with an even width"):
         activation_times_probs(h[:, :31], p, "swiglu")
+    with pytest.raises(ValueError, match="h must have at least one column"):
+        activation_times_probs(h[:, :0], p, "gelu")
     with pytest.raises(ValueError, match="h must be a 2-D tensor"):
         activation_times_probs(h[0], p, "gelu")
     with pytest.raises(ValueError, match="probs must be \\[T\\] = \\[4\\]"):
@@ -73,3 +75,12 @@ def test_errors(gen):
         activation_times_probs(h, p, "gelu", backend="triton")
     with pytest.raises(ValueError, match="backend='cuda' needs CUDA tensors"):
         activation_times_probs(h, p, "gelu", backend="cuda")
+
+
+def test_no_double_backward(gen):
+    h, p, dz = inputs(3, 16, "gelu", gen)
+    h.requires_grad_()
+    z = activation_times_probs(h, p, "gelu")
+    (g,) = torch.autograd.grad(z, h, dz, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|double backward"):
+        g.sum().backward()

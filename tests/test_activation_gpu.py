@@ -89,6 +89,10 @@ def test_rows_do_not_depend_on_other_rows(activation):
     z, dh, dp = run(h, p, dz, activation, "cuda")
     z3, dh3, dp3 = run(h[:3], p[:3], dz[:3], activation, "cuda")
     assert torch.equal(z3, z[:3]) and torch.equal(dh3, dh[:3]) and torch.equal(dp3, dp[:3])
+    # rows a CTA reaches on its 2nd, 3rd, ... grid-stride pass (the other warp-sum buffer), alone
+    for r in (2500, 2999):
+        zr, dhr, dpr = run(h[r:r + 1], p[r:r + 1], dz[r:r + 1], activation, "cuda")
+        assert torch.equal(zr, z[r:r + 1]) and torch.equal(dhr, dh[r:r + 1]) and torch.equal(dpr, dp[r:r + 1])
     hp = torch.cat([h[:2], torch.zeros_like(h[:5]), h[2:4]])
     pp = torch.cat([p[:2], torch.zeros_like(p[:5]), p[2:4]])
     dzp = torch.cat([dz[:2], torch.zeros_like(dz[:5]), dz[2:4]])
@@ -96,6 +100,27 @@ def test_rows_do_not_depend_on_other_rows(activation):
     assert torch.equal(zp[[0, 1, 7, 8]], z[:4]) and torch.equal(dpp[[0, 1, 7, 8]], dp[:4])
     assert torch.equal(dhp[[0, 1, 7, 8]], dh[:4])
     assert not zp[2:7].any() and not dhp[2:7].any() and not dpp[2:7].any()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_probs_without_their_gradient(activation):
+    """probs scale dh but need no gradient (the kernel skips the row sums): dh is the same as with them."""
+    h, p, dz = inputs(300, 256, activation, seed=21)
+    _, dh_ref, _ = run(h, p, dz, activation, "cuda")
+    hl = h.clone().requires_grad_()
+    activation_times_probs(hl, p, activation, backend="cuda").backward(dz)  # p does not require grad
+    assert torch.equal(hl.grad, dh_ref)
+
+
+def test_unaligned_gradient_view():
+    """dz may be a view starting mid-vector (e.g. a slice of a larger buffer): copied, not refused."""
+    h, p, dz = inputs(64, 128, "swiglu", seed=22)
+    big = torch.zeros(64 * 128 + 3, dtype=torch.bfloat16, device=DEV)
+    dz_view = big[3:].view(64, 128)
+    dz_view.copy_(dz)
+    _, dh_ref, dp_ref = run(h, p, dz, "swiglu", "cuda")
+    _, dh, dp = run(h, p, dz_view, "swiglu", "cuda")
+    assert torch.equal(dh, dh_ref) and torch.equal(dp, dp_ref)
 
 
 def test_repeatable_and_nan_stays_local():

@@ -25,7 +25,6 @@ enum class Act : int { kSwiGLU = 0, kGELU = 1, kSquaredReLU = 2 };
 constexpr int kVec = 8;                  // bf16 elements per 16-byte vector
 constexpr int kForwardThreads = 256;
 constexpr int kRowThreads = 128;         // backward: one CTA per row
-constexpr int kForwardCtasPerSm = 8, kBackwardCtasPerSm = 16;
 
 struct ForwardParams {
   const __nv_bfloat16* h;  // [rows, W], contiguous
