@@ -176,3 +176,14 @@ def test_captures_in_a_graph_and_replays_on_new_data():
         graph.replay()
         z_ref, dh_ref, _ = run(h2, p2, dz2, "swiglu", "cuda")
         assert torch.equal(z, z_ref) and torch.equal(static_h.grad, dh_ref)
+
+
+def test_ops_pass_opcheck():
+    """Schemas, fake (meta) implementations and dispatch of both ops agree with what the kernels do (what
+    torch.compile and CUDA graphs rely on)."""
+    ops = _ext.ops()
+    h, p, dz = inputs(40, 64, "swiglu", seed=30)
+    torch.library.opcheck(ops.act_times_probs_forward.default, (h, p, 0))
+    torch.library.opcheck(ops.act_times_probs_forward.default, (h[:, :64].contiguous(), None, 1))
+    torch.library.opcheck(ops.act_times_probs_backward.default, (dz, h, p, 0, True))
+    torch.library.opcheck(ops.act_times_probs_backward.default, (dz, h[:, :64].contiguous(), None, 2, False))
