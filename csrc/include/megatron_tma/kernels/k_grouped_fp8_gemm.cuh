@@ -52,8 +52,8 @@ struct KGroupedGemmConfig {
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 24, kMathRegs = 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
-  // (the launch gives every thread 168): a split over that budget hangs in the alloc.
-  static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * 168,
+  // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
+  static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
   static constexpr int kTileBuffers = 3;                      // realign j+1 while j runs and j-1 is promoted
   static constexpr int CHUNK_BYTES = 128 * 128;               // one operand's aligned 128-token chunk

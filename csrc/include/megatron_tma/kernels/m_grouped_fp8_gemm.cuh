@@ -47,8 +47,8 @@ struct MGroupedGemmConfig {
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
-  // (the launch gives every thread 168): a split over that budget hangs in the alloc.
-  static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * 168,
+  // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
+  static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K;  // e4m3
   static constexpr int B_BYTES = BLOCK_N * BLOCK_K;
