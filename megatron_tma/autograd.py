@@ -142,13 +142,28 @@ def _check_weights(weights: Tuple[torch.Tensor, ...]) -> None:
             )
 
 
+def _checked_stack(weights: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, bool]:
+    """(the weights as one detached `[G, N, K]` tensor, whether it is a view of their own memory). A stacked view
+    proves the weights alike (one shape, dtype and storage), so the per-weight check runs only before a copy."""
+    if len(weights) == 1 and weights[0].dim() == 3:
+        return weights[0].detach(), True
+    view = stacked_view(weights)
+    if view is not None:
+        return view, True
+    _check_weights(weights)
+    return torch.stack([w.detach() for w in weights]), False
+
+
 def quantize_weights(weight: Weights, pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
     """128x128-block FP8 copies of G weights (one `[G, N, K]` tensor or G `[N, K]` tensors), with the transposed
     copy that dgrad multiplies with."""
-    weights = _as_weights(weight)
-    _check_weights(weights)
+    stacked, _ = _checked_stack(_as_weights(weight))
+    return _quantize_stacked(stacked, pow2, backend)
+
+
+def _quantize_stacked(stacked: torch.Tensor, pow2: bool, backend: str) -> QuantizedWeights:
     with torch.no_grad():
-        q, s, qt, st = quant.quantize_128x128(_stack_detached(weights), pow2, backend=backend)
+        q, s, qt, st = quant.quantize_128x128(stacked, pow2, backend=backend)
     return QuantizedWeights(q, s, qt, st)
 
 
@@ -188,8 +203,11 @@ class FP8WeightCache:
                tuple(w._version for w in weights))
         if key != self._key or self._value is None:
             self.invalidate()  # free the stale copies before making new ones: one copy at a time at the peak
-            self._value = quantize_weights(weights, pow2, backend)
-            self._aliases = tuple(w.detach() for w in weights)
+            stacked, is_view = _checked_stack(tuple(weights))
+            self._value = _quantize_stacked(stacked, pow2, backend)
+            # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
+            # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
+            self._aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
             self._key = key
         return self._value
 
