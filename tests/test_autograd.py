@@ -407,6 +407,21 @@ def test_weight_cache_pins_replaced_weights(gen):
     assert cache.get([w2], pow2=True) is not second  # the scale mode is part of the key
 
 
+
+def test_weight_cache_pins_the_weights_memory(gen):
+    """What the cache keeps alive so that no new tensor can take a cached weight's address: one alias of the
+    weights' storage when they lie back to back (a stacked view), every weight when they must be copied."""
+    storage = (torch.randn(3, 128, 128, generator=gen) * 0.1).bfloat16()
+    adjacent = list(storage.unbind(0))
+    cache = FP8WeightCache()
+    cache.get(adjacent)
+    assert len(cache._aliases) == 1
+    assert cache._aliases[0].untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+    scattered = [(torch.randn(128, 128, generator=gen) * 0.1).bfloat16() for _ in range(3)]
+    cache.get(scattered)
+    assert [a.data_ptr() for a in cache._aliases] == [w.data_ptr() for w in scattered]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Edge cases, validation, torch.compile
 # ----------------------------------------------------------------------------------------------------------------
