@@ -101,9 +101,11 @@ class _ActivationTimesProbs(torch.autograd.Function):
 
 
 def _aligned16(t: torch.Tensor) -> bool:
-    """16-byte aligned start, judged from the storage offset (the caching allocator's blocks are 512-byte aligned;
-    `data_ptr()` would break torch.compile graphs). The binding checks the real address."""
-    return t.storage_offset() * t.element_size() % 16 == 0
+    """16-byte aligned start. Eagerly the real address; under torch.compile (which cannot trace `data_ptr()`) the
+    storage offset, since the caching allocator's blocks are 512-byte aligned. The binding checks the address."""
+    if torch.compiler.is_compiling():
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
 
 
 def _kernel_fits(h: torch.Tensor, activation: str) -> bool:
