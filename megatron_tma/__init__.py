@@ -6,6 +6,7 @@ Public API (all take device group sizes/offsets; none reads them on the host):
     m_grouped_fp8_gemm, k_grouped_fp8_gemm, padded_m_grouped_fp8_gemm   (megatron_tma.gemm)
     fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
     GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
+    activation_times_probs                                      (megatron_tma.activation, fused on Hopper)
 The plain-torch numerics oracle is `megatron_tma.reference`; group bookkeeping is `megatron_tma.groups`.
 """
 from ._ext import cuda_kernels_available, has_extension  # noqa: F401
@@ -35,4 +36,8 @@ def __getattr__(name):
         from . import mlp
 
         return getattr(mlp, name)
+    if name == "activation_times_probs":
+        from . import activation
+
+        return activation.activation_times_probs
     raise AttributeError(f"module 'megatron_tma' has no attribute {name!r}")
