@@ -2,17 +2,9 @@
 gradient, and the API's errors. The CUDA kernel's tests are in test_activation_gpu.py."""
 import pytest
 import torch
+from _activation64 import act64
 
 from megatron_tma.activation import ACTIVATIONS, activation_times_probs
-
-
-def act64(h, activation):
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        return torch.nn.functional.silu(h[:, :f]) * h[:, f:]
-    if activation == "gelu":
-        return torch.nn.functional.gelu(h)
-    return torch.relu(h) ** 2
 
 
 def inputs(t, f, activation, gen, probs_dtype=torch.float32):

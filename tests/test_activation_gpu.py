@@ -4,6 +4,7 @@ zero rows give zero gradients, NaN stays in its element, nothing written outside
 Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
+from _activation64 import act64
 
 from megatron_tma import _ext
 from megatron_tma.activation import ACTIVATIONS, activation_times_probs
@@ -11,15 +12,6 @@ from megatron_tma.activation import ACTIVATIONS, activation_times_probs
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 
 DEV = "cuda"
-
-
-def act64(h, activation):
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        return torch.nn.functional.silu(h[:, :f]) * h[:, f:]
-    if activation == "gelu":
-        return torch.nn.functional.gelu(h)
-    return torch.relu(h) ** 2
 
 
 def inputs(t, f, activation, seed, probs_dtype=torch.float32):

@@ -16,7 +16,7 @@ Accuracy has two references, both float64 autograd:
 """
 import pytest
 import torch
-import torch.nn.functional as F
+from _activation64 import act64
 
 from megatron_tma import quant
 from megatron_tma import reference as R
@@ -74,15 +74,6 @@ def _run(module, x, sizes, p, dy):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _act64(h, activation):
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        return F.silu(h[:, :f]) * h[:, f:]
-    if activation == "gelu":
-        return F.gelu(h)
-    return torch.relu(h) ** 2
-
-
 def _bf16(t):
     return t.to(torch.bfloat16).to(torch.float64)
 
@@ -133,7 +124,7 @@ def _float64_mlp(module, x, sizes, p, dy, quantized, pow2=False):
             return _TwinLinear.apply(a, sizes, pow2, *ws)
         return torch.cat([a[r] @ ws[g].t() for g, r in _rows(sizes)])
 
-    z = _act64(linear(x, w1), module.activation)
+    z = act64(linear(x, w1), module.activation)
     if p is not None:
         z = z * p.unsqueeze(1)
     out = linear(z, w2)
@@ -232,7 +223,7 @@ def test_activation_rows_do_not_depend_on_other_rows(one_thread, gen):
     h3, p3 = h.detach()[:3].clone().requires_grad_(), p.detach()[:3].clone().requires_grad_()
     activation_times_probs(h3, p3, "swiglu").backward(dz[:3])
     assert torch.equal(p3.grad, p.grad[:3]) and torch.equal(h3.grad, h.grad[:3])
-    ref = (dz.double() * _act64(h.detach().double(), "swiglu")).sum(1)
+    ref = (dz.double() * act64(h.detach().double(), "swiglu")).sum(1)
     assert torch.allclose(p.grad.double(), ref, rtol=1e-5, atol=1e-5)
 
 
