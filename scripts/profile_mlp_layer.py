@@ -90,23 +90,21 @@ def profile_config(model, G, M, steps, seed=2010):
             "padded_path": GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, device="cuda"),
             "bf16": GroupedBF16MLP(G, H, F, "swiglu", device="cuda")}
     groups = sizes.cuda()
-    result = {}
-    timing = {}
+    kernels, timing = {}, {}
     for name, mod in mods.items():
         step = bml.Step(mod, x, groups, probs, dy, requantize=True)
-        result[name] = kernel_times(step, steps)
+        kernels[name] = kernel_times(step, steps)
         timing[name] = {"wall_ms": common.bench(step, iters=10, warmup=2), "host_ms": host_ms(step),
-                        "kernel_ms": sum(result[name].values())}
+                        "kernel_ms": sum(kernels[name].values())}
         if name == "ours":
             timing[name]["top_cpu_ops_ms"] = top_cpu_ops(step)
-    result["_timing"] = timing
     del mods
     torch.cuda.empty_cache()
-    return result
+    return {"kernels": kernels, "timing": timing}
 
 
-def print_table(title, result):
-    timing = result.pop("_timing")
+def print_table(title, profile):
+    result, timing = profile["kernels"], profile["timing"]
     names = sorted(set().union(*result.values()), key=lambda k: -max(r.get(k, 0.0) for r in result.values()))
     methods = list(result)
     print(f"\n{title}: GPU ms per fwd+bwd step, by kernel")
@@ -120,14 +118,14 @@ def print_table(title, result):
     print(f"{'GPU idle inside the step (wall - kernel sum)':92} " +
           " ".join(f"{timing[m]['wall_ms'] - timing[m]['kernel_ms']:11.3f}" for m in methods))
     print("ours, top host ops by self CPU ms:", timing["ours"]["top_cpu_ops_ms"])
-    result["_timing"] = timing
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", help="model:G:M, e.g. mixtral:8:32768")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write {config: {method: {kernel: ms}}} here")
+    ap.add_argument("--json", default=None,
+                    help="write {config: {kernels: {method: {kernel: ms}}, timing: {method: {...}}}} here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_mlp_layer: needs a CUDA GPU")
