@@ -83,19 +83,12 @@ def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.detach().as_strided((len(tensors),) + tuple(shape), (first.numel(),) + first.stride())
 
 
-def _stack_detached(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(weights) == 1 and weights[0].dim() == 3:
-        return weights[0].detach()
-    view = stacked_view(weights)
-    return view if view is not None else torch.stack([w.detach() for w in weights])
-
-
 class _StackWeights(torch.autograd.Function):
     """Differentiable `torch.stack` that is a free view when the weights already lie back to back."""
 
     @staticmethod
     def forward(ctx, *weights):
-        return _stack_detached(weights)
+        return _checked_stack(weights)[0]
 
     @staticmethod
     def backward(ctx, grad):
