@@ -1,6 +1,4 @@
 // Host launcher and instantiation of the M-grouped FP8 GEMM kernel (kernels/m_grouped_fp8_gemm.cuh).
-#include <cstdlib>
-
 #include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/m_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/m_grouped_fp8_gemm.cuh"
@@ -9,7 +7,6 @@ namespace megatron_tma {
 namespace {
 
 using ConfigN128 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
-using ConfigN128x2 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5, /*CLUSTER=*/2>;
 using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
 constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
 
@@ -26,12 +23,8 @@ cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream
   // the default; 256 stays selectable for comparison.
   const int block_n = args.block_n == 0 ? 128 : args.block_n;
   if (block_n == 256 && ConfigN256::smem_bytes(args.groups.num_groups) <= kMaxSmem) return launch<ConfigN256>(args, stream);
-  if (block_n != 128 && block_n != 256) return cudaErrorInvalidValue;
-  // Pairs of CTAs share (multicast) the A tile when the 128-wide N blocks pair up evenly.
-  // MEGATRON_TMA_MGROUPED_CLUSTER=0 turns the pairing off (for A/B measurements).
-  const char* env = std::getenv("MEGATRON_TMA_MGROUPED_CLUSTER");
-  const bool pair = ((args.n + 127) / 128) % 2 == 0 && !(env != nullptr && env[0] == '0');
-  return pair ? launch<ConfigN128x2>(args, stream) : launch<ConfigN128>(args, stream);
+  if (block_n == 128 || block_n == 256) return launch<ConfigN128>(args, stream);
+  return cudaErrorInvalidValue;
 }
 
 template <class Config>
@@ -48,7 +41,7 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   {
     const uint64_t dims[2] = {(uint64_t)args.k, (uint64_t)args.m_total};
     const uint64_t strides[1] = {(uint64_t)args.k};
-    const uint32_t box[2] = {Config::BLOCK_K, Config::A_ROWS};  // each CTA of a cluster loads its share
+    const uint32_t box[2] = {Config::BLOCK_K, Config::BLOCK_M};
     if ((err = encode_tma(&p.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, args.a, dims, strides, box,
                           CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
       return err;
@@ -86,41 +79,13 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   auto kernel = m_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(G);
   if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
-  // Real tiles are known only on the device; launch one CTA per SM (one cluster per resident cluster slot),
-  // capped by the upper bound on tiles.
-  const long long n_units = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N / Config::CLUSTER;
-  const long long max_units = (static_cast<long long>(args.m_total) / Config::BLOCK_M + G) * n_units;
-  if constexpr (Config::CLUSTER == 1) {
-    static const int num_sms = sm_count();
-    const int grid = static_cast<int>(max_units < num_sms ? max_units : num_sms);
-    kernel<<<grid, Config::kThreads, smem, stream>>>(p);
-    return cudaGetLastError();
-  } else {
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Config::CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.blockDim = dim3(Config::kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    // How many clusters fit at once (the GPCs' SM counts need not be even), asked once per shared-memory size.
-    static size_t clusters_smem = 0;
-    static int max_clusters = 0;
-    if (clusters_smem != smem) {
-      cfg.gridDim = dim3(Config::CLUSTER * 66);
-      if ((err = cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg)) != cudaSuccess) return err;
-      if (max_clusters < 1) return cudaErrorInvalidConfiguration;
-      clusters_smem = smem;
-    }
-    const int clusters = static_cast<int>(max_units < max_clusters ? max_units : max_clusters);
-    cfg.gridDim = dim3(Config::CLUSTER * clusters);
-    if ((err = cudaLaunchKernelEx(&cfg, kernel, p)) != cudaSuccess) return err;
-    return cudaGetLastError();
-  }
+  static const int num_sms = sm_count();
+  // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles.
+  const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
+  const long long max_tiles = (static_cast<long long>(args.m_total) / Config::BLOCK_M + G) * n_blocks;
+  const int grid = static_cast<int>(max_tiles < num_sms ? max_tiles : num_sms);
+  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace megatron_tma

@@ -21,13 +21,6 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Arrive on a barrier in another CTA of the cluster (address from peer_smem_u32). The default semantics
-// (release at CTA scope), as CUTLASS's cluster pipelines use: the slot's readers are wgmma, already waited
-// for, and `.release.cluster` compiles to a MEMBAR.ALL.GPU per arrival.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
-}
-
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
   uint32_t done;
   asm volatile(

@@ -1,9 +1,6 @@
 // The producer/consumer ring shared by the grouped GEMM kernels: STAGES shared-memory slots, each with a
 // "full" mbarrier (one producer arrival + TMA transaction bytes) and an "empty" mbarrier (one arrival per
 // consumer warp). Both sides walk the ring with the same (stage, phase) state.
-// In a 2-CTA cluster whose producers multicast into both CTAs' slots, a slot may be refilled only when the
-// consumers of both CTAs have released it: each consumer warp also arrives on the peer's "empty" barrier
-// (`peer_empty` = its shared::cluster address, 0 without a peer), and each empty barrier counts both CTAs' warps.
 #pragma once
 #include <cstdint>
 #include "megatron_tma/common/mbarrier.cuh"
@@ -23,7 +20,6 @@ template <int STAGES>
 struct Pipeline {
   uint64_t* full;   // [STAGES]
   uint64_t* empty;  // [STAGES]
-  uint32_t peer_empty = 0;  // shared::cluster address of the peer CTA's empty[0], or 0
 
   // One thread, before any use; consumer_warps arrivals release a slot.
   __device__ __forceinline__ void init(int consumer_warps) const {
@@ -48,10 +44,7 @@ struct Pipeline {
   // Consumer warp: hand the slot back once every read of it (wgmma included) is complete.
   __device__ __forceinline__ void consumer_release(const PipelineState<STAGES>& st, int lane) const {
     __syncwarp();
-    if (lane == 0) {
-      mbar_arrive(&empty[st.stage]);
-      if (peer_empty != 0) mbar_arrive_remote(peer_empty + 8u * st.stage);
-    }
+    if (lane == 0) mbar_arrive(&empty[st.stage]);
   }
 };
 

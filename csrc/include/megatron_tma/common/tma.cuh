@@ -83,17 +83,6 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
-// The same 2-D box delivered to every CTA of the cluster named in `cta_mask`, at the same shared-memory offset
-// in each, completing on the mbarrier at the same offset in each (one L2 read, several destinations).
-__device__ __forceinline__ void tma_load_2d_multicast(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1,
-                                                      uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%4, %5}], [%2], %3;" ::"r"(smem_u32(smem)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask), "r"(c0), "r"(c1)
-      : "memory");
-}
-
 __device__ __forceinline__ void tma_load_3d(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1,
                                             int c2) {
   asm volatile(
@@ -131,27 +120,6 @@ __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bu
 // Ordinary shared-memory stores must be made visible to the async proxy before TMA reads them.
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// ------------------------------------------------------------------------------------------------
-// Thread-block clusters (sm_90): rank, cluster-wide barrier, addresses in a peer CTA's shared memory.
-// ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA in the cluster arrives, then waits (not .aligned: callers may be diverged).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// The shared::cluster address of the object at `p` in this CTA's shared memory, in CTA `rank`'s copy.
-__device__ __forceinline__ uint32_t peer_smem_u32(const void* p, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
-  return r;
 }
 
 }  // namespace megatron_tma

@@ -14,12 +14,6 @@
 // Beyond the paper: only real tiles are scheduled, and a math warpgroup whose 64 rows hold no valid row
 // skips its wgmma, promotion and epilogue (it only releases the pipeline stages).
 // Output: the paper's descriptor pool and two-phase residual store (common/residual_store.cuh), per warpgroup.
-//
-// CLUSTER = 2 (beyond the paper, DeepGEMM's lever): two CTAs of a cluster take the same row tile and two
-// adjacent N blocks, and each loads half of the shared A tile with a TMA multicast into both. A 128x128 tile
-// then reads 24 KB instead of 32 KB from L2 per K block; the pipelined 128-wide tiles measured flat near
-// 1000 TFLOPS on every large shape, which L2 throughput explains (benchmarks/NOTES.md). The pair consumes the
-// same K blocks in step, so a slot is refilled only when both CTAs' consumers released it (common/pipeline.cuh).
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -38,7 +32,7 @@ namespace megatron_tma {
 constexpr int kStorePoolSize = 7;  // box heights 1, 2, ..., 64 rows (one math warpgroup's half tile)
 
 struct MGroupedGemmParams {
-  CUtensorMap a;                        // e4m3 [M_total, K]: dims (K, M_total), box (128, 128 / CLUSTER), SW128
+  CUtensorMap a;                        // e4m3 [M_total, K]: dims (K, M_total), box (128, 128), SW128
   CUtensorMap b;                        // e4m3 [G, N, K]: dims (K, N, G), box (128, BLOCK_N, 1), SW128
   CUtensorMap a_scales;                 // fp32 storage [K/128, ld]: dims (M_total, K/128), box (132, 1)
   CUtensorMap d_pool[kStorePoolSize];   // bf16 [M_total, N]: dims (N, M_total), box (64, 2^k), SW128
@@ -47,12 +41,9 @@ struct MGroupedGemmParams {
   int m_total, n, k;
 };
 
-template <int BLOCK_N_, int STAGES_, int CLUSTER_ = 1>
+template <int BLOCK_N_, int STAGES_>
 struct MGroupedGemmConfig {
   static constexpr int BLOCK_M = 128, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
-  // CTAs per cluster along N sharing one multicast A tile; CTA `rank` loads A rows [rank * A_ROWS, +A_ROWS).
-  static constexpr int CLUSTER = CLUSTER_, A_ROWS = BLOCK_M / CLUSTER;
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && BLOCK_N == 128), "clusters of 2 with 128-wide tiles");
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
@@ -97,11 +88,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
   int* row_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
   int* mtile_off = row_off + G + 1;
 
-  const uint32_t rank = Cfg::CLUSTER > 1 ? cluster_ctarank() : 0;
-  Pipeline<Cfg::STAGES> pipe{full_bar, empty_bar};
-  if constexpr (Cfg::CLUSTER > 1) pipe.peer_empty = peer_smem_u32(empty_bar, rank ^ 1);
+  const Pipeline<Cfg::STAGES> pipe{full_bar, empty_bar};
   if (threadIdx.x == 0) {
-    pipe.init(Cfg::kMathWarpgroups * 4 * Cfg::CLUSTER);  // one release per math warp of each CTA of the cluster
+    pipe.init(Cfg::kMathWarpgroups * 4);  // one release per math warp
     tma_prefetch_descriptor(&p.a);
     tma_prefetch_descriptor(&p.b);
     tma_prefetch_descriptor(&p.a_scales);
@@ -112,21 +101,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M; }, mtile_off,
       0x7fffffff, scratch);
 
-  // The peer's barriers must be initialised before this CTA multicasts into it or arrives on them.
-  if constexpr (Cfg::CLUSTER > 1) cluster_sync();
-
   const int num_kb = p.k / Cfg::BLOCK_K;
-  // A cluster walks units of CLUSTER adjacent N blocks (the launcher guarantees they divide the N blocks);
-  // panels of 8 N blocks either way.
-  MGroupedScheduler<Cfg::BLOCK_M, 8 / Cfg::CLUSTER> sched{row_off, mtile_off, G,
-                                                          (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N / Cfg::CLUSTER};
+  MGroupedScheduler<Cfg::BLOCK_M> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
-  const int first_tile = blockIdx.x / Cfg::CLUSTER, tile_step = gridDim.x / Cfg::CLUSTER;
-  auto tile_at = [&](int t) {
-    MTile tile = sched.get(t);
-    tile.n_block = tile.n_block * Cfg::CLUSTER + rank;
-    return tile;
-  };
   const int warpgroup = threadIdx.x / 128;
 
   if (warpgroup == 0) {
@@ -134,17 +111,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
       PipelineState<Cfg::STAGES> st;
-      for (int t = first_tile; t < num_tiles; t += tile_step) {
-        const MTile tile = tile_at(t);
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const MTile tile = sched.get(t);
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          // The whole A tile lands here either way: in a cluster, half from this CTA and half from the peer.
           uint64_t* bar = pipe.producer_acquire(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
-          uint8_t* a_dst = smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES;
-          if constexpr (Cfg::CLUSTER > 1)
-            tma_load_2d_multicast(&p.a, bar, a_dst + rank * Cfg::A_ROWS * Cfg::BLOCK_K, kb * Cfg::BLOCK_K,
-                                  tile.row_start + rank * Cfg::A_ROWS, (1u << Cfg::CLUSTER) - 1);
-          else
-            tma_load_2d(&p.a, bar, a_dst, kb * Cfg::BLOCK_K, tile.row_start);
+          tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
           tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
                       tile.n_block * Cfg::BLOCK_N, tile.group);
           tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT, tile.row_start & ~3, kb);
@@ -221,8 +192,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       two_fragment_pipeline(num_kb, p0, part2, step, last);
     };
 
-    for (int t = first_tile; t < num_tiles; t += tile_step) {
-      const MTile tile = tile_at(t);
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const MTile tile = sched.get(t);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
       const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + tile.n_block * H) * num_kb;
       const int halves = min(H, n_b128 - tile.n_block * H);  // a last tile may cover one 128-column block
@@ -293,8 +264,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     }
     if (tid == 0) tma_store_wait_all();
   }
-  // Neither CTA may exit while its peer can still arrive on its barriers or multicast into its slots.
-  if constexpr (Cfg::CLUSTER > 1) cluster_sync();
 }
 
 }  // namespace megatron_tma
