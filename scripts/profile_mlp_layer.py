@@ -4,6 +4,10 @@ benchmark) and the host time to enqueue it. Wall minus the kernel sum is time th
 (host-bound stretches, synchronisations). It answers "what should be made faster next" for
 benchmarks/bench_mlp_layer.py, which builds the same step.
 
+It also times the three steps round-robin, as the benchmark does, next to their times alone, and counts the
+caching allocator's cudaMalloc / cudaFree calls per step in both settings: a step that has to grow the pool
+(or empty it, which synchronises) spends host time the GPU waits for.
+
     python scripts/profile_mlp_layer.py [--config mixtral:8:32768] [--steps 3] [--json FILE]
 
 --config model:G:M (models of bench_mlp_layer.py; repeat the flag for several). Kernel names are shortened to
@@ -67,6 +71,23 @@ def host_ms(step, iters=10):
     return statistics.median(times)
 
 
+ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_events(steps, rounds=6):
+    """cudaMalloc / cudaFree calls (and allocation retries) per step of each named step, run round-robin."""
+    counts = {name: dict.fromkeys(ALLOC_KEYS, 0) for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            before = torch.cuda.memory_stats()
+            step()
+            torch.cuda.synchronize()
+            after = torch.cuda.memory_stats()
+            for k in ALLOC_KEYS:
+                counts[name][k] += after.get(k, 0) - before.get(k, 0)
+    return {name: {k: v / rounds for k, v in c.items()} for name, c in counts.items()}
+
+
 def top_cpu_ops(step, count=12):
     """The host-side ops that take the most self CPU time in one step (ms)."""
     step()
@@ -91,14 +112,19 @@ def profile_config(model, G, M, steps, seed=2010):
             "bf16": GroupedBF16MLP(G, H, F, "swiglu", device="cuda")}
     groups = sizes.cuda()
     kernels, timing = {}, {}
-    for name, mod in mods.items():
-        step = bml.Step(mod, x, groups, probs, dy, requantize=True)
+    step_fns = {name: bml.Step(mod, x, groups, probs, dy, requantize=True) for name, mod in mods.items()}
+    for name, step in step_fns.items():
         kernels[name] = kernel_times(step, steps)
         timing[name] = {"wall_ms": common.bench(step, iters=10, warmup=2), "host_ms": host_ms(step),
                         "kernel_ms": sum(kernels[name].values())}
+        timing[name]["allocator_alone"] = allocator_events({name: step})[name]
         if name == "ours":
             timing[name]["top_cpu_ops_ms"] = top_cpu_ops(step)
-    del mods
+    for name, ms in common.bench_interleaved(step_fns, iters=10, warmup=2).items():
+        timing[name]["wall_ms_interleaved"] = ms
+    for name, c in allocator_events(step_fns).items():
+        timing[name]["allocator_interleaved"] = c
+    del mods, step_fns
     torch.cuda.empty_cache()
     return {"kernels": kernels, "timing": timing}
 
@@ -113,8 +139,13 @@ def print_table(title, profile):
         print(f"{k:92} " + " ".join(f"{result[m].get(k, 0.0):11.3f}" for m in methods))
     print(f"{'TOTAL (sum of kernel times)':92} " + " ".join(f"{sum(result[m].values()):11.3f}" for m in methods))
     for key, label in (("wall_ms", "step wall time (CUDA events, L2 flushed)"),
+                       ("wall_ms_interleaved", "step wall time, the three steps timed round-robin"),
                        ("host_ms", "host time to enqueue the step")):
         print(f"{label:92} " + " ".join(f"{timing[m][key]:11.3f}" for m in methods))
+    for setting in ("alone", "interleaved"):
+        for k in ALLOC_KEYS:
+            label = f"allocator {k} per step ({setting})"
+            print(f"{label:92} " + " ".join(f"{timing[m]['allocator_' + setting][k]:11.2f}" for m in methods))
     print(f"{'GPU idle inside the step (wall - kernel sum)':92} " +
           " ".join(f"{timing[m]['wall_ms'] - timing[m]['kernel_ms']:11.3f}" for m in methods))
     print("ours, top host ops by self CPU ms:", timing["ours"]["top_cpu_ops_ms"])
