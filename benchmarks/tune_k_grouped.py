@@ -1,0 +1,69 @@
+"""The K-grouped kernel on the shapes that decide the layer benchmark (benchmarks/NOTES.md, K-grouped section):
+the issue's two reference shapes and the wgrads of the Mixtral / DeepSeek-V3 / Qwen3 layers, large and small
+groups, FP32 accumulate and BF16 out. Prints ms, TFLOPS and the roofline ratio of issue 4 (ceilings measured in
+the same process), and checks that repeated calls give the same bits. A quick look between full benchmark runs;
+writes nothing.
+
+    python benchmarks/tune_k_grouped.py [--iters 15] [--quick]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+from megatron_tma import quant  # noqa: E402
+from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
+from megatron_tma.groups import make_group_sizes  # noqa: E402
+
+# (G, M, N, K): the issue's two reference shapes, the Mixtral / DeepSeek-V3 / Qwen3 layers' wgrads, small groups
+SHAPES = [(8, 16384, 4096, 4096), (32, 8192, 4096, 7168), (8, 32768, 28672, 4096), (128, 32768, 1536, 2048),
+          (8, 32768, 4096, 14336), (8, 32768, 4096, 7168), (128, 8192, 2048, 768)]  # --quick: the first four
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--quick", action="store_true", help="the first four shapes only")
+    args = ap.parse_args()
+    ceil = common.measure_ceilings()
+    print(f"ceilings: {ceil}")
+    print(f"{'G':>4} {'M':>6} {'N':>6} {'K':>6} {'out':6} {'repeat':6} {'ms':>9} {'TFLOPS':>7} {'x roof':>6}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for G, M, N, K in SHAPES[:4] if args.quick else SHAPES:
+        groups = make_group_sizes(M, G, "paper", seed=G + M).cuda()
+        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+        dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
+        xt, xs = quant.quantize_grouped_128x1(x, groups)
+        dyt, dys = quant.quantize_grouped_128x1(dy, groups)
+        del x, dy
+        flops = 2.0 * M * N * K
+        for out in ("fp32+=", "bf16"):
+            c = torch.randn(G, N, K, generator=gen, device="cuda") if out == "fp32+=" else None
+            nbytes = (M * (N + K) + (M // 128 + G) * (N + K) * 4 + G * N * K * (8 if c is not None else 2))
+            roof = max(flops / (ceil["dense_fp8_tflops"] * 1e9), nbytes / (ceil["copy_tbps"] * 1e9))
+            if c is not None:
+                first, again = c.clone(), c.clone()
+                k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=first, accumulate=True)
+                k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=again, accumulate=True)
+                work = c.clone()
+                ms = common.bench(lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=work, accumulate=True),
+                                  iters=args.iters)
+                del work
+            else:
+                first = k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16)
+                again = k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16)
+                ms = common.bench(lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16),
+                                  iters=args.iters)
+            same = torch.equal(first, again)
+            print(f"{G:>4} {M:>6} {N:>6} {K:>6} {out:6} {str(same):6} {ms:9.3f} {flops / ms / 1e9:7.0f} {ms / roof:6.2f}",
+                  flush=True)
+            del first, again, c
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
