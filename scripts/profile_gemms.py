@@ -1,12 +1,25 @@
-"""Run each grouped GEMM a few times on one representative shape, for `ncu` to profile (see
-benchmarks/NOTES.md for the command and what its sections showed)."""
+"""Run each grouped GEMM a few times on one shape, for `ncu` to profile (see benchmarks/NOTES.md for the command
+and what its sections showed). Default: G=8, M=16384, N=K=4096, paper sizes, wgrad accumulating into FP32.
+
+    python scripts/profile_gemms.py [--G 32 --M 8192 --N 4096 --K 7168] [--wgrad-out bf16]
+"""
+import argparse
+
 import torch
 
 from megatron_tma import quant
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
 from megatron_tma.groups import make_group_sizes
 
-G, M, N, K = 8, 16384, 4096, 4096
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--G", type=int, default=8)
+ap.add_argument("--M", type=int, default=16384)
+ap.add_argument("--N", type=int, default=4096)
+ap.add_argument("--K", type=int, default=4096)
+ap.add_argument("--wgrad-out", choices=("fp32+=", "bf16"), default="fp32+=",
+                help="k-grouped output: accumulate into an FP32 main_grad, or write BF16")
+args = ap.parse_args()
+G, M, N, K = args.G, args.M, args.N, args.K
 dev = "cuda"
 groups = make_group_sizes(M, G, "paper", 0).to(dev)
 x = torch.randn(M, K, device=dev).bfloat16()
@@ -19,6 +32,9 @@ dyt, dys = quant.quantize_grouped_128x1(dy, groups)
 main_grad = torch.zeros(G, N, K, device=dev)
 for _ in range(3):
     m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)
-    k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=main_grad, accumulate=True)
+    if args.wgrad_out == "bf16":
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16)
+    else:
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=main_grad, accumulate=True)
 torch.cuda.synchronize()
 print("done")
