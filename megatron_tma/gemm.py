@@ -167,6 +167,10 @@ def k_grouped_fp8_gemm(
             raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
         if accumulate and out.dtype != torch.float32:
             raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
+        pair_bytes = 2 * out.element_size()  # the kernel stores element pairs
+        if out.data_ptr() % pair_bytes:
+            raise ValueError(f"out must be {pair_bytes}-byte aligned (elements are stored in pairs), got an address "
+                             f"{out.data_ptr() % pair_bytes} bytes past that")
     if _ext.use_cuda(backend, device):
         _ext.ops().k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate)
         return out

@@ -77,3 +77,23 @@ def test_cuda_backend_requested_without_gpu_is_a_clear_error():
     aq, a_s, b, bs, sizes = _operands()
     with pytest.raises((ValueError, RuntimeError), match="cuda"):
         m_grouped_fp8_gemm(aq, a_s, b, bs, sizes, backend="cuda")
+
+
+@pytest.mark.parametrize("dtype,offset,pair_bytes", [(torch.float32, 1, 8), (torch.bfloat16, 1, 4)])
+def test_k_grouped_out_must_be_pair_aligned(dtype, offset, pair_bytes):
+    """The kernels store output elements in pairs: a view that starts between two pairs is refused clearly
+    (on every backend, so that code tested on the CPU behaves the same on the GPU)."""
+    from megatron_tma.gemm import k_grouped_fp8_gemm
+
+    gen = torch.Generator().manual_seed(2)
+    sizes = torch.tensor([100, 0, 60], dtype=torch.int64)
+    x = torch.randn(160, 128, generator=gen).bfloat16()
+    dy = torch.randn(160, 64, generator=gen).bfloat16()
+    xt, xs = R.quantize_grouped_128x1(x, sizes)
+    dyt, dys = R.quantize_grouped_128x1(dy, sizes)
+    storage = torch.zeros(3 * 64 * 128 + 4, dtype=dtype)
+    out = storage[offset:][: 3 * 64 * 128].view(3, 64, 128)
+    with pytest.raises(ValueError, match=f"out must be {pair_bytes}-byte aligned"):
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out, out_dtype=dtype)
+    aligned = storage[: 3 * 64 * 128].view(3, 64, 128)  # the same call on an aligned out works
+    assert k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=aligned, out_dtype=dtype) is aligned

@@ -90,11 +90,24 @@ def test_accumulate_equals_c_plus_result_and_skips_empty_groups():
     assert torch.equal(d[1], c[1])
 
 
-def test_bf16_output_is_rounded_fp32():
-    sizes = torch.tensor([200, 57, 0, 512])
-    x, dy = _operands(sizes, 512, 256, 8)
+@pytest.mark.parametrize("sizes,n,k", [
+    (torch.tensor([200, 57, 0, 512]), 512, 256),
+    (torch.tensor([100, 37]), 96, 48),                   # one partial tile: TMA clips rows and columns
+    (torch.tensor([300, 0, 129]), 1040, 784),             # partial last tiles in N and K
+    (make_group_sizes(8192, 32, "paper", 4), 1024, 512),  # many tiles per CTA: the staging buffers rotate
+])
+@pytest.mark.parametrize("offset", [0, 2])  # elements: a 16-byte aligned out takes TMA stores, else register stores
+def test_bf16_output_is_rounded_fp32(sizes, n, k, offset):
+    x, dy = _operands(sizes, n, k, 8)
     args = _quantized(x, dy, sizes)
-    assert torch.equal(k_grouped_fp8_gemm(*args, out_dtype=torch.bfloat16), k_grouped_fp8_gemm(*args).bfloat16())
+    g = len(sizes)
+    storage = torch.empty(g * n * k + 8, dtype=torch.bfloat16, device=DEV)
+    out = storage[offset:][: g * n * k].view(g, n, k)
+    storage.fill_(float("nan"))  # poisoned: every element must be written, nothing outside out
+    k_grouped_fp8_gemm(*args, out=out, out_dtype=torch.bfloat16)
+    assert torch.equal(out, k_grouped_fp8_gemm(*args).bfloat16())
+    outside = torch.cat([storage[:offset], storage[offset + g * n * k:]])
+    assert outside.isnan().all()
 
 
 def test_repeatable_and_offsets_equal_sizes():

@@ -27,6 +27,8 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "out must be a contiguous FP32 or BF16 [G, N, K] tensor");
   TORCH_CHECK(!accumulate || out.scalar_type() == at::kFloat, "accumulate=True needs an FP32 out");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % (2 * out.element_size()) == 0, "out must be ",
+              2 * out.element_size(), "-byte aligned (elements are stored in pairs)");
   const int64_t G = out.size(0), MB = M / 128 + G;
   TORCH_CHECK(G >= 1 && G <= megatron_tma::k_grouped_fp8_gemm_max_groups(), "G must be in [1, ",
               megatron_tma::k_grouped_fp8_gemm_max_groups(), "], got ", G);

@@ -39,11 +39,13 @@ struct KGroupedGemmParams {
   CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (128, 128), 128B swizzle
   CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
   CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
+  CUtensorMap d_bf16;    // bf16 D [G, N, K]: dims (K, N, G), box (64, 64, 1), SW128 (when tma_store)
   void* d;               // [G, N, K] fp32 (or bf16), contiguous
   GroupsArg groups;
   int m_total, n, k;
   int accumulate;        // d = d + A.B (fp32 only)
   int out_bf16;
+  int tma_store;         // bf16 tiles leave through shared memory and TMA stores (d 16-byte aligned)
 };
 
 template <int STAGES_>
@@ -196,7 +198,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       return reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
     };
     auto next_buf = [](int b) { return b == Cfg::kTileBuffers - 1 ? 0 : b + 1; };
-    auto prev_buf = [](int b) { return b == 0 ? Cfg::kTileBuffers - 1 : b - 1; };
     // Move block j out of its chunks (staging slots j and j+1 of the tile): realign it into tile buffer
     // `buf` (visible to the tensor cores after the caller's barrier), copy its row/column scales beside it,
     // and hand chunk j back to the producer (block j+1 starts in chunk j+1). After the tile's last block
@@ -294,7 +295,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         return col < p.k && row < p.n ? static_cast<long long>(group_base + static_cast<size_t>(row) * p.k + col) : -1;
       };
       float* d32 = static_cast<float*>(p.d);
-      if (p.out_bf16) {
+      if (p.out_bf16 && p.tma_store && blocks > 0) {
+        // BF16 through shared memory: each warpgroup writes its 64 rows into the 128B-swizzled staging tile
+        // (two 64-column halves) and its leader stores them with TMA, which writes whole lines, clips the
+        // N / K edges and does not hold the math warps. Register stores cost the kernel ~30% of its stall
+        // samples on small groups (ncu: long-scoreboard waits on the per-element address arithmetic).
+        // Staged in the buffer before the last block's (block B-2's, or the previous tile's last): both
+        // warpgroups retired it before a barrier this warpgroup has passed, whereas the other warpgroup may
+        // still run wgmma on the last block's B tile. The next tile refills it with its second block, after
+        // the barrier that closes its first realignment.
+        uint8_t* stage = tiles_of(next_buf(buf));
+        const int row_a = 64 * mwg + r0, row_b = row_a + 8;
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j) {
+          uint8_t* half = stage + (j / 8) * (Cfg::BLOCK_M * 128);
+          *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_a, j % 8) + 4 * (lane % 4)) =
+              __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_b, j % 8) + 4 * (lane % 4)) =
+              __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        }
+        fence_proxy_async_smem();
+        named_barrier_sync(1 + mwg, 128);
+        if (tid == 0) {
+          const int n0 = tile.n_block * Cfg::BLOCK_M + 64 * mwg, k0 = tile.k_block * Cfg::BLOCK_N;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (k0 + 64 * h < p.k && n0 < p.n)  // a box wholly past the edge is not issued
+              tma_store_3d(&p.d_bf16, stage + h * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, k0 + 64 * h, n0, tile.group);
+          tma_store_commit();
+          tma_store_wait_read<0>();  // before this thread reaches that barrier
+        }
+      } else if (p.out_bf16) {
 #pragma unroll
         for (int j = 0; j < R / 4; ++j)
 #pragma unroll
@@ -327,6 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
               *reinterpret_cast<float2*>(d32 + idx) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
+    if (p.tma_store && tid == 0) tma_store_wait_all();
   }
 }
 
