@@ -32,7 +32,10 @@ dw = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes)
 torch.cuda.synchronize()
 ref = R.k_grouped_ref64(dyt, dys, xt, xs, sizes)
 dk = max(R.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
-print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}", flush=True)
+dwb = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16)  # BF16: the TMA-store epilogue
+kb16 = torch.equal(dwb, dw.bfloat16())
+print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}, "
+      f"bf16 out = rounded fp32: {kb16}", flush=True)
 # The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
 # parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
@@ -63,6 +66,6 @@ for act in ACTIVATIONS:
     torch.cuda.synchronize()
     aok &= all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6) for a, b in zip(*outs))
 print(f"activation kernels close to the torch path: {aok}", flush=True)
-ok = d < 1e-3 and dk < 1e-3 and qok and aok
+ok = d < 1e-3 and dk < 1e-3 and kb16 and qok and aok
 print("SMOKE", "OK" if ok else "FAILED")
 sys.exit(0 if ok else 1)
