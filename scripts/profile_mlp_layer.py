@@ -122,6 +122,14 @@ def profile_config(model, G, M, steps, seed=2010):
             timing[name]["top_cpu_ops_ms"] = top_cpu_ops(step)
     for name, ms in common.bench_interleaved(step_fns, iters=10, warmup=2).items():
         timing[name]["wall_ms_interleaved"] = ms
+    # Each method timed round-robin with one other only: which neighbour moves a step's time?
+    for name in step_fns:
+        timing[name]["wall_ms_with"] = {}
+    names = list(step_fns)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pair = common.bench_interleaved({a: step_fns[a], b: step_fns[b]}, iters=10, warmup=2)
+            timing[a]["wall_ms_with"][b], timing[b]["wall_ms_with"][a] = pair[a], pair[b]
     for name, c in allocator_events(step_fns).items():
         timing[name]["allocator_interleaved"] = c
     del mods, step_fns
@@ -142,6 +150,9 @@ def print_table(title, profile):
                        ("wall_ms_interleaved", "step wall time, the three steps timed round-robin"),
                        ("host_ms", "host time to enqueue the step")):
         print(f"{label:92} " + " ".join(f"{timing[m][key]:11.3f}" for m in methods))
+    for other in methods:
+        label = f"step wall time, timed round-robin with {other} only"
+        print(f"{label:92} " + " ".join(f"{timing[m]['wall_ms_with'].get(other, float('nan')):11.3f}" for m in methods))
     for setting in ("alone", "interleaved"):
         for k in ALLOC_KEYS:
             label = f"allocator {k} per step ({setting})"
