@@ -56,9 +56,9 @@ def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
     an L2 flush), so that clock and power drift over the run falls on every method alike. The order rotates
     every round, so that each method follows every other equally often and no position effect falls on one
-    method only. (Seen on the H200, not explained: the Mixtral-sized FP8 layer step measures 54.3 ms timed
-    alone and ~61.5 ms interleaved, with a fixed order and with this rotation alike, while its padded twin
-    measures 55.3 / ~57.5.) A callable that raises is reported as the exception's text instead of a time."""
+    method only. For long, power-hungry calls use bench_blocks instead: a call inherits the clock state its
+    predecessor left (the Mixtral-sized FP8 layer step: 53 ms after itself, 59 ms after the BF16 step). A callable
+    that raises is reported as the exception's text instead of a time."""
     results, live = {}, dict(fns)
     for name, fn in list(live.items()):
         try:
@@ -73,6 +73,36 @@ def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     for r in range(iters):
         for name in order[r % len(order):] + order[:r % len(order)]:
             times[name].append(_time_once(live[name], flush=True))
+    results.update({name: statistics.median(t) for name, t in times.items()})
+    return results
+
+
+def bench_blocks(fns: dict, iters: int = 25, warmup: int = 3, rounds: int = 5) -> dict:
+    """Median milliseconds of each named callable, timed in blocks: `rounds` rounds, each running every method
+    (in an order rotated per round) for `warmup` untimed calls and then iters / rounds timed ones (each after
+    an L2 flush). So every timed call follows a call of the same method, as a training step follows the
+    previous step of the same layer, while clock drift over the run still falls on every method alike.
+    Why not one call per method per round: on the H200 a long FP8 layer step timed right after the BF16
+    step runs ~10% slower and the BF16 step ~5% faster than after their own kind (scripts/profile_mlp_layer.py,
+    Mixtral-sized layer: ours 53.0 ms after itself or after the padded twin, 59.1 after the BF16 step), so
+    alternating methods measures the neighbour as much as the method. A callable that raises is reported as
+    the exception's text instead of a time."""
+    results, live = {}, dict(fns)
+    for name, fn in list(live.items()):
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
+            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            del live[name]
+    times = {name: [] for name in live}
+    order = list(live)
+    per_round = -(-iters // rounds)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            for _ in range(warmup):
+                live[name]()
+            times[name].extend(_time_once(live[name], flush=True) for _ in range(per_round))
     results.update({name: statistics.median(t) for name, t in times.items()})
     return results
 
