@@ -96,15 +96,25 @@ def bench_blocks(fns: dict, iters: int = 25, warmup: int = 3, rounds: int = 5) -
             results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             del live[name]
     times = {name: [] for name in live}
-    order = list(live)
-    per_round = -(-iters // rounds)
-    for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            for _ in range(warmup):
-                live[name]()
-            times[name].extend(_time_once(live[name], flush=True) for _ in range(per_round))
+    for name, timed in block_schedule(list(live), iters, warmup, rounds):
+        if timed:
+            times[name].append(_time_once(live[name], flush=True))
+        else:
+            live[name]()
     results.update({name: statistics.median(t) for name, t in times.items()})
     return results
+
+
+def block_schedule(names: list, iters: int, warmup: int, rounds: int) -> list:
+    """The call sequence of bench_blocks: (name, timed) pairs. Round r runs the methods in the order rotated by r,
+    each `warmup` untimed calls and then ceil(iters / rounds) timed ones, so every timed call directly follows a
+    call of the same method."""
+    per_round = -(-iters // rounds)
+    seq = []
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seq += [(name, False)] * warmup + [(name, True)] * per_round
+    return seq
 
 
 def time_methods(row: dict, fns: dict, flops: float, iters: int = 25) -> None:
