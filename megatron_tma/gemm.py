@@ -150,7 +150,9 @@ def k_grouped_fp8_gemm(
     dy_t / x_t: the token-contiguous `[N, M]` / `[K, M]` operands of `quantize_grouped_128x1`, with their
     `[M // 128 + G, N]` / `[M // 128 + G, K]` token-block scales (G is read off the scale shapes).
     accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty
-    group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype.
+    group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype
+    (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous and start on an element pair
+    (8-byte aligned for FP32, 4-byte for BF16); a 16-byte aligned BF16 `out` is written with TMA stores.
     """
     m, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales)
     device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales, groups=groups, out=out)
