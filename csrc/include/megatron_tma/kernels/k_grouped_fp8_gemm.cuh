@@ -19,6 +19,8 @@
 // Three operand-tile buffers let block j+2 be realigned while block j+1 runs on the tensor cores and
 // block j is promoted. Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
 // when accumulating (Megatron's main_grad). Deterministic: each output element is owned by one thread.
+// Output: FP32 from registers (all loads of C before the first store when accumulating); BF16 through a
+// staging tile in shared memory and TMA stores when D is 16-byte aligned (whole lines, edges clipped).
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
