@@ -44,8 +44,8 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   p.k = args.k;
   p.accumulate = args.accumulate;
   p.out_bf16 = args.out_bf16;
-  // BF16 tiles leave through TMA stores when D is 16-byte aligned (K % 16 == 0 makes the row pitch a multiple
-  // of 16 bytes); otherwise the math threads store them from registers.
+  // BF16 tiles leave through TMA stores when D is 16-byte aligned (K % 16 == 0, checked above, makes the row
+  // pitch a multiple of 16 bytes, as TMA needs); otherwise the math threads store them from registers.
   if (args.out_bf16 && reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
     const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
     const uint64_t strides[2] = {(uint64_t)args.k * 2, (uint64_t)args.n * args.k * 2};

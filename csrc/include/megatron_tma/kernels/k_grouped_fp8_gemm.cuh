@@ -253,8 +253,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       const int chunks = blocks ? ((tile.token_start + tile.tokens + 127) >> 7) - (tile.token_start >> 7) : 0;
       if (blocks > 0) {
         // Block j sits in tile buffer (buf0 + j) % 3. A buffer is refilled (block j+2, during step j) only
-        // after the block it last held (j-1) was retired by both warpgroups: each waits for it in step j-1
-        // and the barrier closing step j-1 orders that before any refill.
+        // after its last occupant was released before a 256-thread barrier that the writers have passed: an
+        // operand block (retired by both warpgroups in step j-1, whose closing barrier orders that before any
+        // refill), or a previous tile's BF16 staging tile (its TMA store has read it: each leader waits for
+        // that before it reaches the next barrier 3).
         const int buf0 = buf;
         unstage(buf0, 0, blocks, chunks, off, min(128, tile.tokens));
         named_barrier_sync(3, 256);
@@ -299,13 +301,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       float* d32 = static_cast<float*>(p.d);
       if (p.out_bf16 && p.tma_store && blocks > 0) {
         // BF16 through shared memory: each warpgroup writes its 64 rows into the 128B-swizzled staging tile
-        // (two 64-column halves) and its leader stores them with TMA, which writes whole lines, clips the
-        // N / K edges and does not hold the math warps. Register stores cost the kernel ~30% of its stall
-        // samples on small groups (ncu: long-scoreboard waits on the per-element address arithmetic).
+        // (two 64-column halves) and its leader stores them with TMA, which writes whole lines and clips the
+        // N / K edges; only the leader's warp waits, and only until TMA has read the tile. Register stores
+        // cost the kernel ~30% of its stall samples on small groups (ncu: long-scoreboard waits on the
+        // per-element address arithmetic).
         // Staged in the buffer before the last block's (block B-2's, or the previous tile's last): both
         // warpgroups retired it before a barrier this warpgroup has passed, whereas the other warpgroup may
-        // still run wgmma on the last block's B tile. The next tile refills it with its second block, after
-        // the barrier that closes its first realignment.
+        // still run wgmma on the last block's B tile. A later tile refills it (its second block, or a first
+        // block if the next tile has only one), always after a 256-thread barrier 3 that follows the
+        // leaders' wait below.
         uint8_t* stage = tiles_of(next_buf(buf));
         const int row_a = 64 * mwg + r0, row_b = row_a + 8;
 #pragma unroll
@@ -325,7 +329,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
             if (k0 + 64 * h < p.k && n0 < p.n)  // a box wholly past the edge is not issued
               tma_store_3d(&p.d_bf16, stage + h * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, k0 + 64 * h, n0, tile.group);
           tma_store_commit();
-          tma_store_wait_read<0>();  // before this thread reaches that barrier
+          tma_store_wait_read<0>();  // before this thread reaches the next barrier 3
         }
       } else if (p.out_bf16) {
 #pragma unroll
