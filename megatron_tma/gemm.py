@@ -62,7 +62,8 @@ def m_grouped_fp8_gemm(
 
     a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
-    out: optional BF16 `[M, N]` (unit column stride; may be a row slice of a larger buffer). Rows are written
+    out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
+    row slice of a larger buffer). Rows are written
     only inside groups; nothing outside `out` is touched. block_n: output tile width, 128 or 256 (0: the
     default, 128, measured faster; the result is the same bit for bit, only the speed differs).
     """
@@ -77,6 +78,9 @@ def m_grouped_fp8_gemm(
             raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
         if out.stride(1) != 1 or (m > 1 and out.stride(0) % 8 != 0):
             raise ValueError(f"out needs unit column stride and a row pitch that is a multiple of 8, got {out.stride()}")
+        if out.data_ptr() % 16:  # TMA stores the rows (checked on every backend, so CPU-tested code runs on the GPU)
+            raise ValueError(f"out must start 16-byte aligned (TMA stores its rows), got an address "
+                             f"{out.data_ptr() % 16} bytes past that")
     if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
         return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
     if _ext.use_cuda(backend, device):

@@ -46,6 +46,8 @@ def test_out_argument_is_filled_and_returned():
         (lambda a: a.update(groups=torch.tensor([-1, 101, 100], dtype=torch.int64)), ValueError, "negative"),
         (lambda a: a.update(out=torch.empty(200, 256)), TypeError, "out must have dtype bfloat16"),
         (lambda a: a.update(out=torch.empty(100, 256, dtype=torch.bfloat16)), ValueError, r"out must be \[M, N\]"),
+        (lambda a: a.update(out=torch.empty(200 * 256 + 8, dtype=torch.bfloat16)[4:][: 200 * 256].view(200, 256)),
+         ValueError, "out must start 16-byte aligned"),
         (lambda a: a.update(backend="tpu"), ValueError, "backend must be"),
         (lambda a: a.update(block_n=64), ValueError, "block_n must be"),
     ],
