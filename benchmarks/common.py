@@ -52,6 +52,20 @@ def bench(fn, iters: int = 25, warmup: int = 5, flush: bool = True) -> float:
     return statistics.median(_time_once(fn, flush) for _ in range(iters))
 
 
+def _warm_up(fns: dict, calls: int):
+    """({name: error text} for the callables that raise, {name: callable} for the rest), each called `calls` times."""
+    errors, live = {}, dict(fns)
+    for name, fn in list(live.items()):
+        try:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
+            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            del live[name]
+    return errors, live
+
+
 def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
     an L2 flush), so that clock and power drift over the run falls on every method alike. The order rotates
@@ -59,15 +73,7 @@ def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     method only. For long, power-hungry calls use bench_blocks instead: a call inherits the clock state its
     predecessor left (the Mixtral-sized FP8 layer step: 53 ms after itself, 59 ms after the BF16 step). A callable
     that raises is reported as the exception's text instead of a time."""
-    results, live = {}, dict(fns)
-    for name, fn in list(live.items()):
-        try:
-            for _ in range(warmup):
-                fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            del live[name]
+    results, live = _warm_up(fns, warmup)
     times = {name: [] for name in live}
     order = list(live)
     for r in range(iters):
@@ -87,14 +93,7 @@ def bench_blocks(fns: dict, iters: int = 25, warmup: int = 3, rounds: int = 5) -
     Mixtral-sized layer: ours 53.0 ms after itself or after the padded twin, 59.1 after the BF16 step), so
     alternating methods measures the neighbour as much as the method. A callable that raises is reported as
     the exception's text instead of a time."""
-    results, live = {}, dict(fns)
-    for name, fn in list(live.items()):
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            del live[name]
+    results, live = _warm_up(fns, 1)  # the schedule warms each method up again at every round
     times = {name: [] for name in live}
     for name, timed in block_schedule(list(live), iters, warmup, rounds):
         if timed:
