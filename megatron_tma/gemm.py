@@ -63,9 +63,9 @@ def m_grouped_fp8_gemm(
     a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
-    row slice of a larger buffer). Rows are written
-    only inside groups; nothing outside `out` is touched. block_n: output tile width, 128 or 256 (0: the
-    default, 128, measured faster; the result is the same bit for bit, only the speed differs).
+    row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
+    block_n: output tile width, 128 or 256 (0: the default, 128, measured faster; the result is the same bit for
+    bit, only the speed differs).
     """
     m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
     if block_n not in (0, 128, 256):
