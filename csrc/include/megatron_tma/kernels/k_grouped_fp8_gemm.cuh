@@ -164,13 +164,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
+      // The bulk L2 prefetch needs 16-byte aligned rows: K % 16 == 0 makes every C row as aligned as C's
+      // start, which the API only requires to be 8-byte aligned (a pair of floats). An 8-byte offset C gets no
+      // prefetch (it faulted with "misaligned address" before this check).
+      const bool c_prefetch = p.accumulate && (reinterpret_cast<uintptr_t>(p.d) & 15) == 0;
       PipelineState<Cfg::STAGES> st;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const KTile tile = sched.get(t);
         const int n0 = tile.n_block * Cfg::BLOCK_M, k0 = tile.k_block * Cfg::BLOCK_N;
         const int blocks = (tile.tokens + 127) / 128;
         const int c0 = tile.token_start >> 7, chunks = tile.tokens ? ((tile.token_start + tile.tokens + 127) >> 7) - c0 : 0;
-        if (p.accumulate && chunks > 0) {
+        if (c_prefetch && chunks > 0) {
           // The epilogue reads C (main_grad) back: pull this tile of it into L2 now, blocks ahead of that
           // read, so the math warps do not stall on DRAM in their epilogue (otherwise a quarter of the time
           // on large groups).
