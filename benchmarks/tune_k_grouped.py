@@ -1,7 +1,9 @@
 """The K-grouped kernel on the shapes that decide the layer benchmark (benchmarks/NOTES.md, K-grouped section):
 the issue's two reference shapes and the wgrads of the Mixtral / DeepSeek-V3 / Qwen3 layers, large and small
-groups, FP32 accumulate and BF16 out. Prints ms, TFLOPS and the roofline ratio of issue 4 (ceilings measured in
-the same process), and checks that repeated calls give the same bits. A quick look between full benchmark runs;
+groups, FP32 accumulate and BF16 out. `fp32+=` accumulates into a 16-byte aligned C (shared-memory + TMA
+epilogue), `fp32+=r` into one 8 bytes off (register epilogue): the A/B of the two FP32 epilogues. Prints ms, TFLOPS
+and the roofline ratio of issue 4 (ceilings measured in the same process); `same` says that repeated calls give
+the same bits (and, for fp32+=r, the TMA epilogue's bits). A quick look between full benchmark runs;
 writes nothing.
 
     python benchmarks/tune_k_grouped.py [--iters 15] [--quick]
@@ -31,7 +33,7 @@ def main():
     args = ap.parse_args()
     ceil = common.measure_ceilings()
     print(f"ceilings: {ceil}")
-    print(f"{'G':>4} {'M':>6} {'N':>6} {'K':>6} {'out':6} {'repeat':6} {'ms':>9} {'TFLOPS':>7} {'x roof':>6}")
+    print(f"{'G':>4} {'M':>6} {'N':>6} {'K':>6} {'out':7} {'same':6} {'ms':>9} {'TFLOPS':>7} {'x roof':>6}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for G, M, N, K in SHAPES[:4] if args.quick else SHAPES:
         groups = make_group_sizes(M, G, "paper", seed=G + M).cuda()
@@ -41,15 +43,23 @@ def main():
         dyt, dys = quant.quantize_grouped_128x1(dy, groups)
         del x, dy
         flops = 2.0 * M * N * K
-        for out in ("fp32+=", "bf16"):
-            c = torch.randn(G, N, K, generator=gen, device="cuda") if out == "fp32+=" else None
+        for out in ("fp32+=", "fp32+=r", "bf16"):
+            # fp32+=r: the same accumulate into an `out` 8 bytes off 16-byte alignment, which takes the
+            # register epilogue instead of shared memory + TMA (same bits; the A/B of the two epilogues)
+            c = torch.randn(G, N, K, generator=gen, device="cuda") if out.startswith("fp32") else None
             nbytes = (M * (N + K) + (M // 128 + G) * (N + K) * 4 + G * N * K * (8 if c is not None else 2))
             roof = max(flops / (ceil["dense_fp8_tflops"] * 1e9), nbytes / (ceil["copy_tbps"] * 1e9))
             if c is not None:
-                first, again = c.clone(), c.clone()
+                def fresh_c():  # a copy of C, 16-byte aligned (fp32+=) or 8 bytes past it (fp32+=r)
+                    shift = 2 if out == "fp32+=r" else 0
+                    buf = torch.empty(c.numel() + 4, device="cuda")
+                    view = buf[shift:shift + c.numel()].view_as(c)
+                    view.copy_(c)
+                    return view
+                first, again = fresh_c(), fresh_c()
                 k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=first, accumulate=True)
                 k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=again, accumulate=True)
-                work = c.clone()
+                work = fresh_c()
                 ms = common.bench(lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=work, accumulate=True),
                                   iters=args.iters)
                 del work
@@ -59,7 +69,12 @@ def main():
                 ms = common.bench(lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16),
                                   iters=args.iters)
             same = torch.equal(first, again)
-            print(f"{G:>4} {M:>6} {N:>6} {K:>6} {out:6} {str(same):6} {ms:9.3f} {flops / ms / 1e9:7.0f} {ms / roof:6.2f}",
+            if out == "fp32+=":
+                tma_result = first.clone()
+            elif out == "fp32+=r":  # the register epilogue must give the TMA epilogue's bits
+                same = same and torch.equal(first, tma_result)
+                del tma_result
+            print(f"{G:>4} {M:>6} {N:>6} {K:>6} {out:7} {str(same):6} {ms:9.3f} {flops / ms / 1e9:7.0f} {ms / roof:6.2f}",
                   flush=True)
             del first, again, c
             torch.cuda.empty_cache()

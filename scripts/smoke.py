@@ -34,8 +34,12 @@ ref = R.k_grouped_ref64(dyt, dys, xt, xs, sizes)
 dk = max(R.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
 dwb = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16)  # BF16: the TMA-store epilogue
 kb16 = torch.equal(dwb, dw.bfloat16())
+c0 = torch.randn(G, N, K, device=dev)
+dacc = c0.clone()
+k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=dacc, accumulate=True)  # FP32: C loaded and stored by TMA
+kb16 = kb16 and torch.equal(dacc, c0 + dw)
 print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}, "
-      f"bf16 out = rounded fp32: {kb16}", flush=True)
+      f"bf16 out = rounded fp32 and accumulate = C + result: {kb16}", flush=True)
 # The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
 # parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"

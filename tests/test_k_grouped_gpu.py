@@ -110,6 +110,41 @@ def test_bf16_output_is_rounded_fp32(sizes, n, k, offset):
     assert outside.isnan().all()
 
 
+@pytest.mark.parametrize("sizes,n,k", [
+    (torch.tensor([300, 0, 129, 1]), 256, 256),
+    (torch.tensor([100, 37]), 96, 48),                   # one partial tile: TMA clips rows and columns
+    (torch.tensor([300, 0, 129]), 1040, 784),             # partial last tiles in N and K (K % 32 != 0)
+    (make_group_sizes(8192, 32, "paper", 4), 1024, 512),  # many tiles per CTA: the staging buffers rotate
+    (torch.tensor([5000]), 256, 384),                     # one long group: many blocks per tile
+])
+def test_fp32_tma_and_register_epilogues_agree(sizes, n, k):
+    """A 16-byte aligned FP32 out takes the shared-memory + TMA epilogue (C loaded by TMA when accumulating);
+    an out 8 bytes past that takes the register path. Both compute __fadd_rn(c, acc) per element: the same bits,
+    with and without accumulate, and nothing written outside out."""
+    x, dy = _operands(sizes, n, k, 11)
+    args = _quantized(x, dy, sizes)
+    g = len(sizes)
+    c = torch.randn(g, n, k, device=DEV)
+    results = []
+    for offset in (0, 2):  # floats
+        storage = torch.full((g * n * k + 8,), float("nan"), device=DEV)
+        out = storage[offset:][: g * n * k].view(g, n, k)
+        k_grouped_fp8_gemm(*args, out=out)
+        plain = out.clone()
+        out.copy_(c)
+        k_grouped_fp8_gemm(*args, out=out, accumulate=True)
+        outside = torch.cat([storage[:offset], storage[offset + g * n * k:]])
+        assert outside.isnan().all()
+        results.append((plain, out.clone()))
+    (plain_tma, acc_tma), (plain_reg, acc_reg) = results
+    assert torch.equal(plain_tma, plain_reg)
+    assert torch.equal(acc_tma, acc_reg)
+    assert torch.equal(acc_tma, c + plain_tma)
+    empty = (sizes == 0).nonzero().flatten().tolist()
+    for e in empty:  # an empty group leaves C unchanged when accumulating
+        assert torch.equal(acc_tma[e], c[e])
+
+
 def test_repeatable_and_offsets_equal_sizes():
     sizes = make_group_sizes(5000, 16, "paper", 9)
     x, dy = _operands(sizes, 512, 512, 9)

@@ -55,6 +55,16 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
       return err;
     p.tma_store = 1;
   }
+  // FP32 tiles (and C, when accumulating) move through shared memory by TMA under the same condition.
+  if (!args.out_bf16 && reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
+    const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
+    const uint64_t strides[2] = {(uint64_t)args.k * 4, (uint64_t)args.n * args.k * 4};
+    const uint32_t box[3] = {32, 64, 1};
+    if ((err = encode_tma(&p.d_f32, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, args.d, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
+      return err;
+    p.tma_f32 = 1;
+  }
 
   auto kernel = k_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(G);

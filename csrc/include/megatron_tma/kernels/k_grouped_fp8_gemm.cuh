@@ -42,12 +42,14 @@ struct KGroupedGemmParams {
   CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
   CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
   CUtensorMap d_bf16;    // bf16 D [G, N, K]: dims (K, N, G), box (64, 64, 1), SW128 (when tma_store)
+  CUtensorMap d_f32;     // fp32 D [G, N, K]: dims (K, N, G), box (32, 64, 1), SW128 (when tma_f32)
   void* d;               // [G, N, K] fp32 (or bf16), contiguous
   GroupsArg groups;
   int m_total, n, k;
   int accumulate;        // d = d + A.B (fp32 only)
   int out_bf16;
   int tma_store;         // bf16 tiles leave through shared memory and TMA stores (d 16-byte aligned)
+  int tma_f32;           // fp32 tiles too, with C loaded by TMA when accumulating (d 16-byte aligned)
 };
 
 template <int STAGES_>
@@ -69,7 +71,10 @@ struct KGroupedGemmConfig {
   static constexpr int OFF_STAGE = OFF_SCALES + kTileBuffers * 2 * SCALE_BYTES;  // ring: [A, B, sa, sb] per stage
   static constexpr int STAGE_SLOT = 2 * CHUNK_BYTES + 2 * SCALE_BYTES;
   static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
-  static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
+  // Per math warpgroup: an mbarrier (its C tile landed) and the parity of its next C load. The parity lives in
+  // shared memory: as a register it is long-lived and rarely used, and ptxas spills it.
+  static constexpr int OFF_CBAR = OFF_BAR + 2 * STAGES * 8;
+  static constexpr int OFF_SCRATCH = OFF_CBAR + 32;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 1024;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
@@ -135,8 +140,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
   int* token_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
   int* block_off = token_off + G + 1;
 
+  uint64_t* c_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_CBAR);
   if (threadIdx.x == 0) {
-    pipe.init(Cfg::kMathWarpgroups * 4);
+    mbar_init(&c_bar[0], 1);
+    mbar_init(&c_bar[1], 1);
+    reinterpret_cast<uint32_t*>(c_bar + 2)[0] = reinterpret_cast<uint32_t*>(c_bar + 2)[1] = 0;  // C-load parities
+    pipe.init(Cfg::kMathWarpgroups * 4);  // (its fence also publishes c_bar)
     tma_prefetch_descriptor(&p.a);
     tma_prefetch_descriptor(&p.b);
     tma_prefetch_descriptor(&p.a_scales);
@@ -155,13 +164,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
+      // The bulk L2 prefetch needs 16-byte aligned rows: K % 16 == 0 makes every C row as aligned as C's
+      // start, which the API only requires to be 8-byte aligned (a pair of floats). An 8-byte offset C gets no
+      // prefetch (it faulted with "misaligned address" before this check).
+      const bool c_prefetch = p.accumulate && (reinterpret_cast<uintptr_t>(p.d) & 15) == 0;
       PipelineState<Cfg::STAGES> st;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const KTile tile = sched.get(t);
         const int n0 = tile.n_block * Cfg::BLOCK_M, k0 = tile.k_block * Cfg::BLOCK_N;
         const int blocks = (tile.tokens + 127) / 128;
         const int c0 = tile.token_start >> 7, chunks = tile.tokens ? ((tile.token_start + tile.tokens + 127) >> 7) - c0 : 0;
-        if (p.accumulate && chunks > 0) {
+        if (c_prefetch && chunks > 0) {
           // The epilogue reads C (main_grad) back: pull this tile of it into L2 now, blocks ahead of that
           // read, so the math warps do not stall on DRAM in their epilogue (otherwise a quarter of the time
           // on large groups).
@@ -242,6 +255,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       promote_row_col_scaled(acc, frag, sa[64 * mwg + r0], sa[64 * mwg + r0 + 8], sa + 128 + 2 * (lane % 4));
     };
 
+    // FP32 tiles through shared memory: this warpgroup's 64 x 128 slab is two 16 KB regions, columns 0-63 in its
+    // half of the buffer that held the tile's block B-2 and columns 64-127 in its half of the buffer the next
+    // tile's first block goes to (which only this warpgroup's own threads write then: warpgroup 0 realigns the
+    // A rows, 1 the B rows). Each region is two 32-column TMA boxes of 64 rows x 128 B, 128B-swizzled.
+    volatile uint32_t* c_phase = reinterpret_cast<uint32_t*>(c_bar + 2) + mwg;  // parity of the next C load
+    auto f32_region = [&](int after_buf, int box) {  // box 0..3 = columns 32*box..; after_buf: buf after the tile
+      return tiles_of(box < 2 ? next_buf(after_buf) : after_buf) + mwg * Cfg::TILE_BYTES + (box & 1) * 8192;
+    };
+    auto f32_pair = [&](int after_buf, int rr, int c) {  // this WG's staged (row rr, columns c, c+1), c even
+      const int cb = c & 31;
+      return reinterpret_cast<float2*>(f32_region(after_buf, c >> 5) + rr * 128 + (((cb >> 2) ^ (rr & 7)) << 4) +
+                                       (cb & 3) * 4);
+    };
+    auto f32_boxes = [&](const KTile& tile, int after_buf, bool load) {  // leader: TMA load (C) or store (D)
+      const int n0 = tile.n_block * Cfg::BLOCK_M + 64 * mwg, k0 = tile.k_block * Cfg::BLOCK_N;
+      if (n0 >= p.n) return;
+      if (load) {
+        int boxes = 0;
+        for (int b = 0; b < 4; ++b) boxes += k0 + 32 * b < p.k;
+        mbar_arrive_expect_tx(&c_bar[mwg], boxes * 8192);
+      }
+      for (int b = 0; b < 4; ++b) {
+        if (k0 + 32 * b >= p.k) continue;  // a box wholly past the edge is neither loaded nor stored
+        if (load)
+          tma_load_3d(&p.d_f32, &c_bar[mwg], f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+        else
+          tma_store_3d(&p.d_f32, f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+      }
+    };
+
     int buf = 0;  // tile buffer of the next block; rotates over every block this CTA runs, across tiles
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
@@ -279,6 +322,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
           cur_buf = nxt_buf;
         };
         auto last = [&](float(&cur)[R]) {
+          // Both regions of the FP32 staging are free from here (the barrier closing step B-2 retired block
+          // B-2 in both warpgroups): load C into them under the last block's wgmma and promotion.
+          if (p.tma_f32 && p.accumulate && tid == 0) f32_boxes(tile, next_buf(cur_buf), true);
           wgmma_wait<0>();
           fence_regs(cur);
           promote(cur, cur_buf);
@@ -331,6 +377,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
           tma_store_commit();
           tma_store_wait_read<0>();  // before this thread reaches the next barrier 3
         }
+      } else if (p.tma_f32 && blocks > 0) {
+        // FP32 through shared memory: out = acc, or C + acc with C loaded by TMA in the last block's shadow;
+        // the same __fadd_rn(c, acc) per element as the register path, so the same bits.
+        const bool rows = tile.n_block * Cfg::BLOCK_M + 64 * mwg < p.n;  // else this half is past N: nothing
+        if (p.accumulate && rows) mbar_wait(&c_bar[mwg], *c_phase);
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float2* slot = f32_pair(buf, r0 + 8 * h, 8 * j + 2 * (lane % 4));
+            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            if (p.accumulate) {
+              const float2 c = *slot;
+              v = make_float2(__fadd_rn(c.x, v.x), __fadd_rn(c.y, v.y));
+            }
+            *slot = v;
+          }
+        fence_proxy_async_smem();
+        named_barrier_sync(1 + mwg, 128);
+        if (tid == 0) {  // every thread has read the parity (before the barrier above): move it on
+          if (p.accumulate && rows) *c_phase ^= 1u;
+          f32_boxes(tile, buf, false);
+          tma_store_commit();
+          tma_store_wait_read<0>();
+        }
+        // The next tile's first realignment, by this warpgroup's own threads, overwrites the second region.
+        named_barrier_sync(1 + mwg, 128);
       } else if (p.out_bf16) {
 #pragma unroll
         for (int j = 0; j < R / 4; ++j)
@@ -364,7 +437,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
               *reinterpret_cast<float2*>(d32 + idx) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
-    if (p.tma_store && tid == 0) tma_store_wait_all();
+    if ((p.tma_store || p.tma_f32) && tid == 0) tma_store_wait_all();
   }
 }
 
