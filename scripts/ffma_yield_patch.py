@@ -13,6 +13,10 @@ opcode 0x223 in bits 0-11 of the low word. Embedded cubins are found by their EL
 are touched.
 
     python scripts/ffma_yield_patch.py megatron_tma/_C*.so [--kernel m_grouped_fp8_gemm_kernel] [--dry-run]
+
+Measured at 1db5c8f (benchmarks/NOTES.md, M-grouped table): every promotion FFMA yielding made the m-grouped
+kernel 3-5% slower and left the k-grouped kernel unchanged, so the build does not apply it. Kept to try other
+subsets (DeepGEMM patches only part of each FFMA run).
 """
 import argparse
 import struct
