@@ -1,0 +1,71 @@
+"""scripts/ffma_yield_patch.py on a synthetic cubin: it finds the ELF image inside a larger blob, touches only the
+`.text` sections of the named kernels, only FFMA (all-register form) instructions there, and in those only the
+yield bit and the operand-reuse flags of the control word."""
+import importlib.util
+import os
+import struct
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("ffma_yield_patch", os.path.join(ROOT, "scripts", "ffma_yield_patch.py"))
+patcher = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(patcher)
+
+YIELD, REUSE = 1 << 45, 0xF << 58
+FFMA_LO = 0x000000A959DC7223  # FFMA R220, R89, R169, R220
+IADD_LO = 0x000000A959DC7210  # another opcode (0x210), same operands
+
+
+def _elf(sections):
+    """A minimal ELF64 image: header, the sections' bytes, a section-name table, the section headers."""
+    names = b"\0" + b"".join(name.encode() + b"\0" for name, _ in sections) + b".shstrtab\0"
+    body, offsets, name_offs, pos, npos = b"", [], [], 64, 1
+    for name, data in sections:
+        offsets.append(pos + len(body))
+        body += data
+        name_offs.append(npos)
+        npos += len(name) + 1
+    shstr_off = 64 + len(body)
+    shoff = shstr_off + len(names)
+    headers = [struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)]
+    for (name, data), off, noff in zip(sections, offsets, name_offs):
+        headers.append(struct.pack("<IIQQQQIIQQ", noff, 1, 6, 0, off, len(data), 0, 0, 128, 0))
+    headers.append(struct.pack("<IIQQQQIIQQ", npos, 3, 0, 0, shstr_off, len(names), 0, 0, 1, 0))
+    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    header = ident + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 0, 0, 64, len(headers),
+                                 len(headers) - 1)
+    return header + body + names + b"".join(headers)
+
+
+def _text(instructions):
+    return b"".join(struct.pack("<QQ", lo, hi) for lo, hi in instructions)
+
+
+def test_patches_only_the_control_bits_of_ffma_in_the_named_kernels():
+    yielding = 0x000FC200000000DC                    # yield bit clear: already yields
+    holding = 0x080FE200000000DC                     # yield bit set, reuse flag on operand b
+    kernel = [(FFMA_LO, holding), (FFMA_LO, yielding), (IADD_LO, holding), (FFMA_LO, holding | (1 << 52))]
+    other = [(FFMA_LO, holding)]
+    image = _elf([(".text._Z25m_grouped_fp8_gemm_kernelv", _text(kernel)), (".text._Z5otherv", _text(other)),
+                  (".nv.info", b"\xff" * 32)])
+    blob = bytearray(b"host object bytes " * 7 + image + b" trailing")
+    before = bytes(blob)
+    report = patcher.patch(blob, "m_grouped_fp8_gemm_kernel")
+    assert report == [("_Z25m_grouped_fp8_gemm_kernelv", 3, 2)]  # 3 FFMA, 2 did not yield yet
+
+    start = before.index(image)
+    changed = [i for i in range(len(blob)) if blob[i] != before[i]]
+    text = start + 64  # the kernel's section comes first in the image
+    words = [struct.unpack_from("<QQ", blob, text + 16 * i) for i in range(len(kernel))]
+    assert [lo for lo, _ in words] == [lo for lo, _ in kernel]           # no instruction changed
+    assert words[0][1] == holding & ~YIELD & ~REUSE
+    assert words[1][1] == yielding                                       # already yielding: untouched
+    assert words[2][1] == holding                                        # not an FFMA: untouched
+    assert words[3][1] == (holding | (1 << 52)) & ~YIELD & ~REUSE        # other control bits (waits) kept
+    assert all(text <= i < text + 16 * len(kernel) for i in changed)     # nothing outside that section
+
+
+def test_reports_nothing_without_a_matching_kernel():
+    blob = bytearray(_elf([(".text._Z5otherv", _text([(FFMA_LO, 0x080FE200000000DC)]))]))
+    before = bytes(blob)
+    assert patcher.patch(blob, "m_grouped_fp8_gemm_kernel") == []
+    assert bytes(blob) == before
