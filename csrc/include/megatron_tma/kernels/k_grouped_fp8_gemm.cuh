@@ -19,8 +19,10 @@
 // Three operand-tile buffers let block j+2 be realigned while block j+1 runs on the tensor cores and
 // block j is promoted. Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
 // when accumulating (Megatron's main_grad). Deterministic: each output element is owned by one thread.
-// Output: FP32 from registers (all loads of C before the first store when accumulating); BF16 through a
-// staging tile in shared memory and TMA stores when D is 16-byte aligned (whole lines, edges clipped).
+// Output, when D is 16-byte aligned: through 128B-swizzled staging tiles in shared memory and TMA stores (whole
+// lines, edges clipped), BF16 and FP32 alike; when accumulating, C comes in by TMA under the last block's
+// wgmma and is added in shared memory. Otherwise (D only 4- or 8-byte aligned) from registers, every load of C
+// issued before the first store. Both FP32 paths compute __fadd_rn(c, acc): the same bits.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
