@@ -44,26 +44,18 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   p.k = args.k;
   p.accumulate = args.accumulate;
   p.out_bf16 = args.out_bf16;
-  // BF16 tiles leave through TMA stores when D is 16-byte aligned (K % 16 == 0, checked above, makes the row
-  // pitch a multiple of 16 bytes, as TMA needs); otherwise the math threads store them from registers.
-  if (args.out_bf16 && reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
+  // Tiles leave through shared memory and TMA stores, and C (when accumulating) comes in by TMA, when D is
+  // 16-byte aligned (K % 16 == 0, checked above, makes the row pitch a multiple of 16 bytes, as TMA needs);
+  // otherwise the math threads move them from registers. A box is one 128-byte swizzle row wide.
+  if (reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
+    const uint64_t elem = args.out_bf16 ? 2 : 4;
     const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
-    const uint64_t strides[2] = {(uint64_t)args.k * 2, (uint64_t)args.n * args.k * 2};
-    const uint32_t box[3] = {64, 64, 1};
-    if ((err = encode_tma(&p.d_bf16, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, args.d, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
+    const uint64_t strides[2] = {(uint64_t)args.k * elem, (uint64_t)args.n * args.k * elem};
+    const uint32_t box[3] = {static_cast<uint32_t>(128 / elem), 64, 1};
+    if ((err = encode_tma(&p.d_tma, args.out_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                          3, args.d, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
       return err;
-    p.tma_store = 1;
-  }
-  // FP32 tiles (and C, when accumulating) move through shared memory by TMA under the same condition.
-  if (!args.out_bf16 && reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
-    const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
-    const uint64_t strides[2] = {(uint64_t)args.k * 4, (uint64_t)args.n * args.k * 4};
-    const uint32_t box[3] = {32, 64, 1};
-    if ((err = encode_tma(&p.d_f32, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, args.d, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
-      return err;
-    p.tma_f32 = 1;
+    p.tma_out = 1;
   }
 
   auto kernel = k_grouped_fp8_gemm_kernel<Config>;

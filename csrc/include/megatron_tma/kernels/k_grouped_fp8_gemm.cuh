@@ -43,15 +43,14 @@ struct KGroupedGemmParams {
   CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (128, 128), 128B swizzle
   CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
   CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
-  CUtensorMap d_bf16;    // bf16 D [G, N, K]: dims (K, N, G), box (64, 64, 1), SW128 (when tma_store)
-  CUtensorMap d_f32;     // fp32 D [G, N, K]: dims (K, N, G), box (32, 64, 1), SW128 (when tma_f32)
+  CUtensorMap d_tma;     // D [G, N, K]: dims (K, N, G), box (128 B of a row = 64 bf16 / 32 fp32, 64, 1), SW128
   void* d;               // [G, N, K] fp32 (or bf16), contiguous
   GroupsArg groups;
   int m_total, n, k;
   int accumulate;        // d = d + A.B (fp32 only)
   int out_bf16;
-  int tma_store;         // bf16 tiles leave through shared memory and TMA stores (d 16-byte aligned)
-  int tma_f32;           // fp32 tiles too, with C loaded by TMA when accumulating (d 16-byte aligned)
+  int tma_out;           // d 16-byte aligned: tiles leave through shared memory and TMA stores (d_tma), and C
+                         // comes in by TMA when accumulating; otherwise from registers
 };
 
 template <int STAGES_>
@@ -281,9 +280,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       for (int b = 0; b < 4; ++b) {
         if (k0 + 32 * b >= p.k) continue;  // a box wholly past the edge is neither loaded nor stored
         if (load)
-          tma_load_3d(&p.d_f32, &c_bar[mwg], f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+          tma_load_3d(&p.d_tma, &c_bar[mwg], f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
         else
-          tma_store_3d(&p.d_f32, f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+          tma_store_3d(&p.d_tma, f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
       }
     };
 
@@ -326,7 +325,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         auto last = [&](float(&cur)[R]) {
           // Both regions of the FP32 staging are free from here (the barrier closing step B-2 retired block
           // B-2 in both warpgroups): load C into them under the last block's wgmma and promotion.
-          if (p.tma_f32 && p.accumulate && tid == 0) f32_boxes(tile, next_buf(cur_buf), true);
+          if (p.tma_out && p.accumulate && tid == 0) f32_boxes(tile, next_buf(cur_buf), true);
           wgmma_wait<0>();
           fence_regs(cur);
           promote(cur, cur_buf);
@@ -347,7 +346,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         return col < p.k && row < p.n ? static_cast<long long>(group_base + static_cast<size_t>(row) * p.k + col) : -1;
       };
       float* d32 = static_cast<float*>(p.d);
-      if (p.out_bf16 && p.tma_store && blocks > 0) {
+      if (p.tma_out && p.out_bf16 && blocks > 0) {
         // BF16 through shared memory: each warpgroup writes its 64 rows into the 128B-swizzled staging tile
         // (two 64-column halves) and its leader stores them with TMA, which writes whole lines and clips the
         // N / K edges; only the leader's warp waits, and only until TMA has read the tile. Register stores
@@ -375,11 +374,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
           for (int h = 0; h < 2; ++h)
             if (k0 + 64 * h < p.k && n0 < p.n)  // a box wholly past the edge is not issued
-              tma_store_3d(&p.d_bf16, stage + h * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, k0 + 64 * h, n0, tile.group);
+              tma_store_3d(&p.d_tma, stage + h * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, k0 + 64 * h, n0, tile.group);
           tma_store_commit();
           tma_store_wait_read<0>();  // before this thread reaches the next barrier 3
         }
-      } else if (p.tma_f32 && blocks > 0) {
+      } else if (p.tma_out && blocks > 0) {  // FP32
         // FP32 through shared memory: out = acc, or C + acc with C loaded by TMA in the last block's shadow;
         // the same __fadd_rn(c, acc) per element as the register path, so the same bits.
         const bool rows = tile.n_block * Cfg::BLOCK_M + 64 * mwg < p.n;  // else this half is past N: nothing
@@ -439,7 +438,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
               *reinterpret_cast<float2*>(d32 + idx) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
-    if ((p.tma_store || p.tma_f32) && tid == 0) tma_store_wait_all();
+    if (p.tma_out && tid == 0) tma_store_wait_all();
   }
 }
 
