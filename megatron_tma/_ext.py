@@ -55,6 +55,28 @@ def ops():
 BACKENDS = ("auto", "cuda", "reference")
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels_on(device: torch.device) -> bool:
+    return device.type == "cuda" and cuda_kernels_available(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _op(name: str):
+    return getattr(torch.ops.megatron_tma, name).default
+
+
+def fast_op(name: str, backend: str, data):
+    """The C++ op `name` when a call on `data`'s device will run the CUDA kernels, else None.
+
+    For the wrappers' fast path: the C++ ops check every rule the Python wrappers check, so a wrapper can call
+    the op first and run its own validation (which raises the API's clearer errors) only when the op refuses.
+    Both lookups are cached: this sits on every call, and host time per call is a target.
+    """
+    if (backend != "auto" and backend != "cuda") or _C is None or not isinstance(data, torch.Tensor):
+        return None
+    return _op(name) if _kernels_on(data.device) else None
+
+
 def use_cuda(backend: str, device: torch.device) -> bool:
     """Resolve the `backend=` switch every op takes: True to run the CUDA kernels, False for the torch
     reference; a clear error when "cuda" is asked for and cannot run."""

@@ -1,4 +1,5 @@
-// torch binding of the K-grouped (weight-gradient) FP8 GEMM.
+// torch binding of the K-grouped (weight-gradient) FP8 GEMM. Its checks cover every rule of the Python
+// wrapper (megatron_tma/gemm.py), which calls this op first and validates in Python only when it refuses.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -32,7 +33,10 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
   const int64_t G = out.size(0), MB = M / 128 + G;
   TORCH_CHECK(G >= 1 && G <= megatron_tma::k_grouped_fp8_gemm_max_groups(), "G must be in [1, ",
               megatron_tma::k_grouped_fp8_gemm_max_groups(), "], got ", G);
-  TORCH_CHECK(N % 16 == 0 && K % 16 == 0, "N and K must be multiples of 16");
+  TORCH_CHECK(N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0, "N and K must be positive multiples of 16");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dy_t_scales, &x_t, &x_t_scales, &groups, &out})
+    TORCH_CHECK(t->device() == dy_t.device(), "all tensors must be on one device (", dy_t.device(), " and ",
+                t->device(), ")");
   for (auto* s : {&dy_t_scales, &x_t_scales}) {
     TORCH_CHECK(s->is_cuda() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == MB,
                 "token-block scales must be contiguous FP32 [M_total/128 + G, rows]");

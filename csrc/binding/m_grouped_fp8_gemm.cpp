@@ -1,6 +1,6 @@
-// torch binding of the M-grouped FP8 GEMM: checks what the kernel assumes, then launches. The Python
-// wrapper (megatron_tma/gemm.py) gives friendlier errors first; these checks keep the op safe when
-// called directly through torch.ops.
+// torch binding of the M-grouped FP8 GEMM: checks what the kernel assumes, then launches. These checks
+// cover every rule of the Python wrapper (megatron_tma/gemm.py), which calls this op first and runs its own,
+// friendlier validation only when the op refuses the input: keep the two in step.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -46,6 +46,8 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
               "out must be a BF16 [M, N] tensor with unit column stride and 16-byte aligned rows");
   TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
   TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 256, "block_n must be 0 (auto), 128 or 256, got ", block_n);
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scales, &b, &b_scales, &groups, &out})
+    TORCH_CHECK(t->device() == a.device(), "all tensors must be on one device (", a.device(), " and ", t->device(), ")");
   c10::cuda::CUDAGuard guard(a.device());
   megatron_tma::MGroupedGemmArgs args{};
   args.a = a.data_ptr();

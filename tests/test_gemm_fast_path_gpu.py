@@ -1,0 +1,159 @@
+"""The wrappers' fast path on the H200 (megatron_tma/gemm.py, FAST_PATH): on a Hopper device the GEMM wrappers
+call the C++ op before any Python check and validate in Python only when the op refuses. That is safe only if
+the op refuses everything the Python checks refuse. Here every bad input the API documents is shown (1) to be
+refused by the op itself and (2) to still raise the wrapper's own error type and message, and valid calls give
+the same bits on both paths. Skipped without a Hopper GPU + extension."""
+import pytest
+import torch
+
+from megatron_tma import _ext, gemm
+from megatron_tma import reference as R
+
+pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def full_path():
+    """Force the Python validation on every call, then restore the fast path."""
+    gemm.FAST_PATH = False
+    yield
+    gemm.FAST_PATH = True
+
+
+def _m_args(m=200, n=256, k=256, g=3, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device=DEV).bfloat16()
+    w = (torch.randn(g, n, k, generator=gen, device=DEV) * 0.05).bfloat16()
+    aq, a_s = R.quantize_1x128(x)
+    b, bs, _, _ = R.quantize_128x128(w)
+    sizes = torch.tensor([m // 2, 0, m - m // 2], dtype=torch.int64, device=DEV)
+    return dict(a=aq, a_scales=a_s, b=b, b_scales=bs, groups=sizes)
+
+
+def _misaligned_bf16(m, n):
+    return torch.empty(m * n + 8, dtype=BF16, device=DEV)[4:][: m * n].view(m, n)
+
+
+M_BAD = [
+    ("a dtype", lambda a: a.update(a=a["a"].float()), TypeError, "a must have dtype float8_e4m3fn"),
+    ("b 2-D", lambda a: a.update(b=a["b"][0]), ValueError, "b must be 3-D"),
+    ("K differs", lambda a: a.update(b=a["b"][:, :, :128].contiguous()), ValueError, "K differs"),
+    ("b_scales shape", lambda a: a.update(b_scales=a["b_scales"][:, :1].contiguous()), ValueError, r"b_scales must be \["),
+    ("a_scales layout", lambda a: a.update(a_scales=a["a_scales"].contiguous()), ValueError, "M-contiguous view"),
+    ("groups dtype", lambda a: a.update(groups=a["groups"].float()), TypeError, "int32 or int64"),
+    ("groups length", lambda a: a.update(groups=a["groups"][:2]), ValueError, "G sizes or G\\+1 offsets"),
+    ("groups on cpu", lambda a: a.update(groups=a["groups"].cpu()), ValueError, "one device"),
+    ("b_scales on cpu", lambda a: a.update(b_scales=a["b_scales"].cpu()), ValueError, "one device"),
+    ("out dtype", lambda a: a.update(out=torch.empty(200, 256, device=DEV)), TypeError, "out must have dtype bfloat16"),
+    ("out shape", lambda a: a.update(out=torch.empty(100, 256, dtype=BF16, device=DEV)), ValueError, r"out must be \[M, N\]"),
+    ("out misaligned", lambda a: a.update(out=_misaligned_bf16(200, 256)), ValueError, "out must start 16-byte aligned"),
+    ("out strided", lambda a: a.update(out=torch.empty(200, 512, dtype=BF16, device=DEV)[:, ::2]), ValueError, "unit column stride"),
+    ("block_n", lambda a: a.update(block_n=64), ValueError, "block_n must be"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", M_BAD, ids=[c[0] for c in M_BAD])
+def test_m_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate, exc, match):
+    args = _m_args()
+    mutate(args)
+    out = args.pop("out", None)
+    block_n = args.pop("block_n", 0)
+    op_out = out if out is not None else torch.empty(200, 256, dtype=BF16, device=DEV)
+    with pytest.raises(RuntimeError):  # the op alone refuses: the fast path cannot let it through
+        torch.ops.megatron_tma.m_grouped_fp8_gemm_out(
+            args["a"], args["a_scales"], args["b"], args["b_scales"], args["groups"], op_out, block_n)
+    with pytest.raises(exc, match=match):  # and the wrapper still says what is wrong, in its own words
+        gemm.m_grouped_fp8_gemm(**args, out=out, block_n=block_n)
+
+
+def test_m_grouped_k_and_n_rules_on_gpu():
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    aq, a_s = R.quantize_1x128(torch.randn(64, 128, generator=gen, device=DEV).bfloat16())
+    b = torch.zeros(1, 40, 128, dtype=torch.float8_e4m3fn, device=DEV)
+    groups = torch.tensor([64], device=DEV)
+    with pytest.raises(RuntimeError):
+        torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, torch.ones(1, 1, 1, device=DEV), groups,
+                                                      torch.empty(64, 40, dtype=BF16, device=DEV), 0)
+    with pytest.raises(ValueError, match="N must be a positive multiple of 16"):
+        gemm.m_grouped_fp8_gemm(aq, a_s, b, torch.ones(1, 1, 1, device=DEV), groups)
+
+
+def test_m_grouped_fast_and_full_paths_agree(full_path):
+    args = _m_args(m=3000, n=1408, k=1024, g=3, seed=5)
+    full = gemm.m_grouped_fp8_gemm(**args)
+    full_into = torch.full_like(full, float("nan"))
+    gemm.m_grouped_fp8_gemm(**args, out=full_into)
+    gemm.FAST_PATH = True
+    fast = gemm.m_grouped_fp8_gemm(**args)
+    fast_into = torch.full_like(full, float("nan"))
+    assert gemm.m_grouped_fp8_gemm(**args, out=fast_into) is fast_into
+    assert torch.equal(fast, full) and torch.equal(fast_into, full) and torch.equal(full_into, full)
+    # groups as a strided view: the op refuses it, the full path makes it contiguous, the result is the same
+    strided = torch.stack([args["groups"], args["groups"]], 1)[:, 0]
+    assert not strided.is_contiguous()
+    assert torch.equal(gemm.m_grouped_fp8_gemm(**{**args, "groups": strided}), full)
+
+
+def _k_args(sizes=(100, 0, 60), n=64, k=128, seed=2):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    sizes = torch.tensor(sizes, dtype=torch.int64, device=DEV)
+    m = int(sizes.sum())
+    xt, xs = R.quantize_grouped_128x1(torch.randn(m, k, generator=gen, device=DEV).bfloat16(), sizes)
+    dyt, dys = R.quantize_grouped_128x1(torch.randn(m, n, generator=gen, device=DEV).bfloat16(), sizes)
+    return dict(dy_t=dyt, dy_t_scales=dys, x_t=xt, x_t_scales=xs, groups=sizes)
+
+
+def _misaligned_f32(g, n, k):
+    return torch.zeros(g * n * k + 4, device=DEV)[1:][: g * n * k].view(g, n, k)
+
+
+K_BAD = [
+    ("dy_t dtype", lambda a: a.update(dy_t=a["dy_t"].float()), TypeError, "dy_t must have dtype float8_e4m3fn"),
+    ("x_t pitch", lambda a: a.update(x_t=torch.zeros(128, 400, dtype=torch.float8_e4m3fn, device=DEV)[:, :160]),
+     ValueError, "x_t must be the token-contiguous"),
+    ("scales rows", lambda a: a.update(x_t_scales=a["x_t_scales"][:-1].contiguous()), ValueError, "token-block scales"),
+    ("groups length", lambda a: a.update(groups=a["groups"][:2]), ValueError, "G sizes or G\\+1 offsets"),
+    ("groups on cpu", lambda a: a.update(groups=a["groups"].cpu()), ValueError, "one device"),
+    ("x_t_scales on cpu", lambda a: a.update(x_t_scales=a["x_t_scales"].cpu()), ValueError, "one device"),
+    ("out shape", lambda a: a.update(out=torch.zeros(3, 64, 256, device=DEV)), ValueError, r"out must be \[G, N, K\]"),
+    ("out dtype", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=torch.float16, device=DEV)), TypeError, "out must have dtype"),
+    ("accumulate into bf16", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=BF16, device=DEV), accumulate=True),
+     TypeError, "accumulate=True needs an FP32 out"),
+    ("out misaligned", lambda a: a.update(out=_misaligned_f32(3, 64, 128)), ValueError, "out must be 8-byte aligned"),
+    ("out_dtype", lambda a: a.update(out_dtype=torch.float16), TypeError, "out_dtype must be"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", K_BAD, ids=[c[0] for c in K_BAD])
+def test_k_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate, exc, match):
+    args = _k_args()
+    mutate(args)
+    out, accumulate = args.pop("out", None), args.pop("accumulate", False)
+    out_dtype = args.pop("out_dtype", torch.float32)
+    op_out = out if out is not None else torch.zeros(3, 64, 128, dtype=out_dtype, device=DEV)
+    with pytest.raises(RuntimeError):
+        torch.ops.megatron_tma.k_grouped_fp8_gemm_out(
+            args["dy_t"], args["dy_t_scales"], args["x_t"], args["x_t_scales"], args["groups"], op_out, accumulate)
+    with pytest.raises(exc, match=match):
+        gemm.k_grouped_fp8_gemm(**args, out=out, accumulate=accumulate, out_dtype=out_dtype)
+
+
+def test_k_grouped_accumulate_needs_out_on_gpu():
+    with pytest.raises(ValueError, match="accumulate=True needs the FP32 buffer"):
+        gemm.k_grouped_fp8_gemm(**_k_args(), accumulate=True)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, BF16])
+def test_k_grouped_fast_and_full_paths_agree(full_path, out_dtype):
+    args = _k_args(sizes=(700, 0, 129, 1000), n=256, k=384, seed=7)
+    full = gemm.k_grouped_fp8_gemm(**args, out_dtype=out_dtype)
+    c = torch.randn(full.shape, device=DEV)
+    full_acc = gemm.k_grouped_fp8_gemm(**args, out=c.clone(), accumulate=True)
+    gemm.FAST_PATH = True
+    fast = gemm.k_grouped_fp8_gemm(**args, out_dtype=out_dtype)
+    fast_acc = c.clone()
+    assert gemm.k_grouped_fp8_gemm(**args, out=fast_acc, accumulate=True) is fast_acc
+    assert fast.dtype == out_dtype and torch.equal(fast, full) and torch.equal(fast_acc, full_acc)
