@@ -5,15 +5,12 @@ bottleneck), each way of calling:
   wrapper       the public function as users call it (the fast path: C++ op first, gemm.FAST_PATH)
   wrapper_full  the same with gemm.FAST_PATH = False (every Python check, then the op)
   op            torch.ops.megatron_tma.<op> alone (C++ checks, TMA descriptors, launch)
-and all of it twice, in child processes with the TMA descriptor memo on and off
-(MEGATRON_TMA_DESCRIPTOR_CACHE, common/tma.cuh). Usage (GPU machine):
+Usage (GPU machine):
     python3 scripts/probe_host_call.py [--calls 1000] [--out DIR]
 """
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import torch
@@ -73,25 +70,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out", default=None, help="directory for host_call.json")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.calls)))
-        return
-    results = {}
-    for label, flag in (("descriptor_cache_on", "1"), ("descriptor_cache_off", "0")):
-        env = dict(os.environ, MEGATRON_TMA_DESCRIPTOR_CACHE=flag)
-        proc = subprocess.run([sys.executable, __file__, "--child", "--calls", str(args.calls)], env=env,
-                              capture_output=True, text=True, check=True)
-        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{label}:", results[label], flush=True)
-    print(f"{'us per call':16s} {'cache on':>9s} {'cache off':>9s}")
-    for key in results["descriptor_cache_on"]:
-        print(f"{key:16s} {results['descriptor_cache_on'][key]:9.2f} {results['descriptor_cache_off'][key]:9.2f}")
+    res = measure(args.calls)
+    for key, us in res.items():
+        print(f"{key:16s} {us:8.2f} us per call")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_call.json"), "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **results}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "us_per_call": res}, f, indent=1)
 
 
 if __name__ == "__main__":

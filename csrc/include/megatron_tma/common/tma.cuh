@@ -6,8 +6,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 namespace megatron_tma {
 
@@ -32,9 +30,9 @@ inline EncodeTiledFn encode_tiled_fn() {
 
 // Encode a tiled descriptor of rank `rank` (dims/box innermost first; strides in bytes for dims 1..rank-1).
 // Returns cudaErrorInvalidValue when the driver rejects the geometry (alignment, box > 256, ...).
-inline cudaError_t encode_tma_uncached(CUtensorMap* map, CUtensorMapDataType dtype, int rank, const void* base,
-                                       const uint64_t* dims, const uint64_t* strides_bytes, const uint32_t* box,
-                                       CUtensorMapSwizzle swizzle) {
+inline cudaError_t encode_tma(CUtensorMap* map, CUtensorMapDataType dtype, int rank, const void* base,
+                              const uint64_t* dims, const uint64_t* strides_bytes, const uint32_t* box,
+                              CUtensorMapSwizzle swizzle) {
   EncodeTiledFn fn = encode_tiled_fn();
   if (fn == nullptr) return cudaErrorNotSupported;
   cuuint64_t d[5], s[4];
@@ -51,62 +49,6 @@ inline cudaError_t encode_tma_uncached(CUtensorMap* map, CUtensorMapDataType dty
   // A context already broken by an earlier fault makes the encoder fail too: report that fault instead.
   const cudaError_t sticky = cudaPeekAtLastError();
   return sticky != cudaSuccess ? sticky : cudaErrorInvalidValue;
-}
-
-// A descriptor is a pure function of its arguments, and a training step makes the same GEMM calls on the
-// same caching-allocator addresses step after step; the M-grouped GEMM alone encodes ten per call. So the
-// encoder keeps a small per-thread memo (direct-mapped, 64 entries) of recent encodings, and a hit copies
-// the 128 bytes instead of calling the driver. MEGATRON_TMA_DESCRIPTOR_CACHE=0 turns it off (A/B timing).
-struct TmaDescriptorKey {
-  uint64_t base, dims[5], strides[4];
-  uint32_t box[5], rank, dtype, swizzle;
-};
-
-inline bool tma_descriptor_cache_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MEGATRON_TMA_DESCRIPTOR_CACHE");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
-
-inline cudaError_t encode_tma(CUtensorMap* map, CUtensorMapDataType dtype, int rank, const void* base,
-                              const uint64_t* dims, const uint64_t* strides_bytes, const uint32_t* box,
-                              CUtensorMapSwizzle swizzle) {
-  if (!tma_descriptor_cache_enabled() || rank < 1 || rank > 5)
-    return encode_tma_uncached(map, dtype, rank, base, dims, strides_bytes, box, swizzle);
-  TmaDescriptorKey key;
-  std::memset(&key, 0, sizeof(key));  // padding and unused ranks compare equal
-  key.base = reinterpret_cast<uint64_t>(base);
-  key.rank = static_cast<uint32_t>(rank);
-  key.dtype = static_cast<uint32_t>(dtype);
-  key.swizzle = static_cast<uint32_t>(swizzle);
-  uint64_t h = key.base * 0x9E3779B97F4A7C15ull ^ (key.dtype << 8 | key.swizzle << 16 | key.rank);
-  for (int i = 0; i < rank; ++i) {
-    key.dims[i] = dims[i];
-    key.box[i] = box[i];
-    if (i + 1 < rank) key.strides[i] = strides_bytes[i];
-    h = (h ^ dims[i] ^ (static_cast<uint64_t>(box[i]) << 40) ^ (i + 1 < rank ? strides_bytes[i] << 20 : 0)) *
-        0x100000001B3ull;
-  }
-  struct Entry {
-    TmaDescriptorKey key;
-    CUtensorMap map;
-    bool valid;
-  };
-  thread_local Entry table[64] = {};
-  Entry& slot = table[(h ^ (h >> 29)) & 63];
-  if (slot.valid && std::memcmp(&slot.key, &key, sizeof(key)) == 0) {
-    *map = slot.map;
-    return cudaSuccess;
-  }
-  const cudaError_t err = encode_tma_uncached(map, dtype, rank, base, dims, strides_bytes, box, swizzle);
-  if (err == cudaSuccess) {
-    slot.key = key;
-    slot.map = *map;
-    slot.valid = true;
-  }
-  return err;
 }
 
 // ------------------------------------------------------------------------------------------------
