@@ -157,3 +157,29 @@ def test_k_grouped_fast_and_full_paths_agree(full_path, out_dtype):
     fast_acc = c.clone()
     assert gemm.k_grouped_fp8_gemm(**args, out=fast_acc, accumulate=True) is fast_acc
     assert fast.dtype == out_dtype and torch.equal(fast, full) and torch.equal(fast_acc, full_acc)
+
+
+def test_torch_compile_runs_the_ops_and_the_wrappers():
+    """The ops' fake implementations let torch.compile trace them with no graph break (they mutate `out`), and the
+    wrappers (fast path included: its try/except and cached lookups may break the graph) give the eager bits."""
+    m_args = _m_args(m=1000, n=384, k=256, g=3, seed=9)
+    k_args = _k_args(sizes=(300, 0, 200), n=128, k=256, seed=9)
+    ops = _ext.ops()
+
+    def raw(a, a_scales, b, b_scales, groups, dy_t, dy_t_scales, x_t, x_t_scales, k_groups):
+        out = torch.empty(a.shape[0], b.shape[1], dtype=BF16, device=a.device)
+        ops.m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, 0)
+        dw = torch.empty(3, dy_t.shape[0], x_t.shape[0], device=a.device)
+        ops.k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, k_groups, dw, False)
+        return out, dw
+
+    flat = (*m_args.values(), *[k_args[n] for n in ("dy_t", "dy_t_scales", "x_t", "x_t_scales", "groups")])
+    eager = raw(*flat)
+    compiled = torch.compile(raw, fullgraph=True)(*flat)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+    def wrappers(m_args, k_args):
+        return gemm.m_grouped_fp8_gemm(**m_args), gemm.k_grouped_fp8_gemm(**k_args, out_dtype=BF16)
+
+    got = torch.compile(wrappers)(m_args, k_args)
+    assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1].bfloat16())
