@@ -8,16 +8,15 @@
 //   serial<N> DeepGEMM's scheme: 128xN, one partial fragment, wait_group 0 after each block, then promote
 //   none<N>   no promotion at all (the tensor cores accumulate across K, one group kept in flight): the shape's
 //             ceiling, what a tensorwise-scaled GEMM (cuBLAS) could reach with this pipeline
-//   +sa       as pipe128, plus the production kernel's per-stage A-scale TMA (132 floats) and 2 LDS per block
 //   -tma      the production epilogue: the BF16 tile through shared memory, one TMA store per 64 columns
-//   prod-like pipe128 + the per-stage A-scale TMA + the TMA-store epilogue (the production kernel's choices)
-//   prod-like-la  prod-like with the stage's A scales read after the wgmma issue instead of before
-//   sa-tma-only / sa-lds-only  (SA 4 / 5) prod-like with only the scale TMA (scales unread) / only the LDS
-//   prod-like-pin prod-like with the next block's scales forced into registers at the end of each step
-//   -nost     without the epilogue's stores (the most that hiding the epilogue could give)
-//   +sag      as pipe128, the A scales read by each thread from global memory (2 loads per block, 2 blocks ahead)
-// The numbers are only timing: scales are 1 (bits are compared only where two schemes promote identically), the
-// epilogue is plain BF16 global stores for all, the variants are timed interleaved. Not part of the package.
+//   -nost     no stores at all (the most that hiding the epilogue could give); otherwise plain BF16 global stores
+//   prod-like pipe128-tma + the per-stage A-scale TMA (132 floats) and 2 LDS per block: the production kernel's choices
+//   prod-like-la   prod-like with the stage's A scales read after the wgmma issue instead of before (SA 3)
+//   prod-like-pin  prod-like with the next block's scales forced into registers at the end of each step (SA 6)
+//   also selectable (template SA): 2 = scales from global memory, 2 blocks ahead (measured 15-20% slower than
+//   prod-like); 4 = only the scale TMA (scales unread); 5 = only the per-block LDS (no TMA)
+// The numbers are only timing: all scales are 1 (bits are compared only where two variants must agree), and the
+// variants are timed interleaved in one process. Not part of the package; results in benchmarks/NOTES.md.
 //   build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
 //          -I csrc/include -I <cutlass>/include benchmarks/ceiling/m_tile_ceiling.cu -o /tmp/m_tile_ceiling
 //   run:   /tmp/m_tile_ceiling [M N K]   (default 16384 4096 4096)
