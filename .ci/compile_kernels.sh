@@ -31,4 +31,15 @@ for src in csrc/instantiations/*.cu; do
     echo "ok    $src"
   fi
 done
+# the standalone studies under benchmarks/ceiling/ (not built by setup.py): they must keep compiling too
+for src in benchmarks/ceiling/*.cu; do
+  [ -e "$src" ] || continue
+  name=$(basename "$src" .cu)
+  if "$NVCC" -c -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc/include \
+       -I"$CUTLASS_INC" "$src" -o "$out/$name.o" >"$out/$name.log" 2>&1; then
+    echo "ok    $src"
+  else
+    echo "FAIL  $src"; cat "$out/$name.log"; status=1
+  fi
+done
 exit $status
