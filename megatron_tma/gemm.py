@@ -174,8 +174,8 @@ def k_grouped_fp8_gemm(
     (8-byte aligned for FP32, 4-byte for BF16); a 16-byte aligned BF16 `out` is written with TMA stores.
     """
     op = _ext.fast_op("k_grouped_fp8_gemm_out", backend, dy_t) if FAST_PATH and not debug_checks_enabled() else None
-    if op is not None and (out is not None or not accumulate):  # as in m_grouped_fp8_gemm
-        try:
+    if op is not None and (out is not None or not accumulate) and out_dtype in (torch.float32, torch.bfloat16):
+        try:  # as in m_grouped_fp8_gemm
             res = out
             if res is None:
                 g = dy_t_scales.shape[0] - dy_t.shape[1] // 128
