@@ -11,11 +11,8 @@
 //   -tma      the production epilogue: the BF16 tile through shared memory, one TMA store per 64 columns
 //   -nost     no stores at all (the most that hiding the epilogue could give); otherwise plain BF16 global stores
 //   prod-like pipe128-tma + the per-stage A-scale TMA (132 floats) and 2 LDS per block: the production kernel's choices
-//   prod-like-la   prod-like with the stage's A scales read after the wgmma issue instead of before (SA 3)
-//   prod-like-pin  prod-like with the next block's scales forced into registers at the end of each step (SA 6)
+//   prod-like-la   prod-like with the stage's A scales read after the wgmma issue instead of before
 //   -fd       a stage's wgmma descriptors as stage 0's plus one add, not rebuilt from the address per block
-//   also selectable (template SA): 2 = scales from global memory, 2 blocks ahead (measured 15-20% slower than
-//   prod-like); 4 = only the scale TMA (scales unread); 5 = only the per-block LDS (no TMA)
 // The numbers are only timing: all scales are 1 (bits are compared only where two variants must agree), and the
 // variants are timed interleaved in one process. Not part of the package; results in benchmarks/NOTES.md.
 //   build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
@@ -60,6 +57,9 @@ DEFINE_WGMMA(192, MMA_64x192x32_F32E4M3E4M3_SS_TN)
 DEFINE_WGMMA(256, MMA_64x256x32_F32E4M3E4M3_SS_TN)
 
 enum Mode { kPipe = 0, kSerial = 1, kNone = 2 };
+// A scales (template SA): constants in registers; or, as the production kernel, a per-stage TMA of 132 floats and
+// two shared-memory reads per block, before or after the block's wgmma issue.
+enum ScaleMode { kNoScales = 0, kScales = 1, kScalesAfterIssue = 2 };
 constexpr int kNoStore = 8;  // mode flag: skip the epilogue's stores (what a fully hidden epilogue could give)
 constexpr int kTmaStore = 16;
 constexpr int kFastDesc = 32;  // mode flag: stage descriptors by one add from stage 0's (see issue())  // mode flag: the production epilogue (BF16 tile in shared memory, TMA store)
@@ -69,7 +69,7 @@ struct Cfg {
   static constexpr int A_BYTES = 128 * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
   static constexpr int SA_BYTES = 132 * 4, SA_SLOT = 640;  // the production kernel's A-scale box and slot
   static constexpr int OFF_SA = STAGES * STAGE;
-  static constexpr int OFF_D = OFF_SA + (SA == 1 || SA >= 3 ? STAGES * SA_SLOT : 0);  // 6: as 1, scales pinned  // 1024-aligned: STAGE is
+  static constexpr int OFF_D = OFF_SA + (SA != kNoScales ? STAGES * SA_SLOT : 0);  // 1024-aligned: STAGE is
   static constexpr int D_BYTES = 128 * BN * 2;                               // a multiple of 1024
   static constexpr int OFF_BAR = OFF_D + D_BYTES;
   static constexpr int SMEM = 1024 + OFF_BAR + 2 * STAGES * 8 + 512;  // + 128 row scales
@@ -80,7 +80,6 @@ struct Params {
   CUtensorMap d_map;     // D bf16 [M, N]: box (64 columns, 64 rows), SW128
   __nv_bfloat16* d;
   const float* b_scales;  // [N/128, K/128]
-  const float* sa_g;      // the A scales in global memory, FP32 [K/128, M]
   int m, n, k;
 };
 
@@ -113,9 +112,9 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
         int mb, nb;
         tile_of(t, mb, nb);
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          uint64_t* bar = pipe.producer_acquire(st, C::STAGE + (SA == 1 || SA == 3 || SA == 4 || SA == 6 ? C::SA_BYTES : 0));
+          uint64_t* bar = pipe.producer_acquire(st, C::STAGE + (SA != kNoScales ? C::SA_BYTES : 0));
           mt::tma_load_2d(&p.a, bar, smem + st.stage * C::STAGE, kb * 128, mb * 128);
-          if constexpr (SA == 1 || SA == 3 || SA == 4 || SA == 6) mt::tma_load_2d(&p.sa, bar, smem + C::OFF_SA + st.stage * C::SA_SLOT, mb * 128, kb);
+          if constexpr (SA != kNoScales) mt::tma_load_2d(&p.sa, bar, smem + C::OFF_SA + st.stage * C::SA_SLOT, mb * 128, kb);
           mt::tma_load_2d(&p.b, bar, smem + st.stage * C::STAGE + C::A_BYTES, kb * 128, nb * BN);
         }
       }
@@ -128,7 +127,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
   constexpr int R = Mma::kRegs;
   float sa0 = row_scale[64 * mwg + r0], sa1 = row_scale[64 * mwg + r0 + 8];
   auto stage_scales = [&](const mt::PipelineState<STAGES>& at, float& s0, float& s1) {
-    if constexpr (SA == 1 || SA == 3 || SA == 5 || SA == 6) {  // 5: no scale TMA, the reads hit a slot never loaded
+    if constexpr (SA != kNoScales) {
       const float* sa = reinterpret_cast<const float*>(smem + C::OFF_SA + at.stage * C::SA_SLOT) + 64 * mwg;
       s0 = sa[r0], s1 = sa[r0 + 8];
     }
@@ -189,12 +188,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
       }
     } else {
       float part0[R], part1[R];
-      float sb = __ldg(bs), q0 = sa0, q1 = sa1;
-      const float* sag = p.sa_g + mb * 128 + 64 * mwg + r0;  // block kb's scales: sag[kb * m], sag[kb * m + 8]
-      if constexpr (SA == 2) {
-        sa0 = __ldg(sag), sa1 = __ldg(sag + 8);
-        if (num_kb > 1) q0 = __ldg(sag + p.m), q1 = __ldg(sag + p.m + 8);
-      }
+      float sb = __ldg(bs);
       pipe.consumer_wait(st);
       stage_scales(st, sa0, sa1);
       issue(part0, st, false);
@@ -203,21 +197,15 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
         next.advance();
         const float nsb = __ldg(bs + kb + 1);
         float nsa0 = sa0, nsa1 = sa1;
-        if constexpr (SA == 2) {  // block kb+1's arrived a step ago; ask for block kb+2's now
-          nsa0 = q0, nsa1 = q1;
-          if (kb + 2 < num_kb) q0 = __ldg(sag + (kb + 2) * p.m), q1 = __ldg(sag + (kb + 2) * p.m + 8);
-        }
         pipe.consumer_wait(next);
-        if constexpr (SA != 3) stage_scales(next, nsa0, nsa1);
+        if constexpr (SA != kScalesAfterIssue) stage_scales(next, nsa0, nsa1);
         issue(nxt, next, false);
-        if constexpr (SA == 3) stage_scales(next, nsa0, nsa1);  // after the issue: its fence need not wait for them
+        if constexpr (SA == kScalesAfterIssue) stage_scales(next, nsa0, nsa1);  // the issue's fence need not wait
         mt::wgmma_wait<1>();
         mt::fence_regs(cur);
         pipe.consumer_release(st, lane);
         mt::promote_row_scaled(acc, cur, sa0, sa1, sb);
         sb = nsb, sa0 = nsa0, sa1 = nsa1;
-        if constexpr (SA == 6)  // the next block's scales in registers now, not loaded where first used
-          asm volatile("" : "+f"(sa0), "+f"(sa1), "+f"(sb));
         st.advance();
       };
       auto last = [&](float(&cur)[R]) {
@@ -288,7 +276,7 @@ struct Variant {
   std::vector<float> ms;
 };
 
-template <int BN, int STAGES, int MODE, int SA = 0>
+template <int BN, int STAGES, int MODE, int SA = kNoScales>
 void add(std::vector<Variant>& vs, const char* name, void* a, void* b, const float* bs, const float* sa,
          __nv_bfloat16* d, int m, int n, int k) {
   using C = Cfg<BN, STAGES, MODE, SA>;
@@ -314,7 +302,7 @@ void add(std::vector<Variant>& vs, const char* name, void* a, void* b, const flo
     const uint32_t box[2] = {64, 64};
     CHECK(mt::encode_tma(&p.d_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, d, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B));
   }
-  p.d = d, p.b_scales = bs, p.sa_g = sa, p.m = m, p.n = n, p.k = k;
+  p.d = d, p.b_scales = bs, p.m = m, p.n = n, p.k = k;
   auto kernel = ceiling_kernel<BN, STAGES, MODE, SA>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   int sms = 0;
@@ -379,10 +367,10 @@ int main(int argc, char** argv) {
   add<128, 6, kPipe>(vs, "pipe128", a, b, bs, sa, d, m, n, k);
   add<128, 5, kPipe | kTmaStore>(vs, "pipe128-tma", a, b, bs, sa, d, m, n, k);
   add<128, 6, kPipe | kNoStore>(vs, "pipe128-nost", a, b, bs, sa, d, m, n, k);
-  add<128, 5, kPipe | kTmaStore, 1>(vs, "prod-like", a, b, bs, sa, d, m, n, k);
-  add<128, 5, kPipe | kTmaStore, 3>(vs, "prod-like-la", a, b, bs, sa, d, m, n, k);
-  add<128, 5, kPipe | kTmaStore | kFastDesc, 1>(vs, "prod-like-fd", a, b, bs, sa, d, m, n, k);
-  add<128, 5, kPipe | kTmaStore | kFastDesc, 3>(vs, "prod-like-fd-la", a, b, bs, sa, d, m, n, k);
+  add<128, 5, kPipe | kTmaStore, kScales>(vs, "prod-like", a, b, bs, sa, d, m, n, k);
+  add<128, 5, kPipe | kTmaStore, kScalesAfterIssue>(vs, "prod-like-la", a, b, bs, sa, d, m, n, k);
+  add<128, 5, kPipe | kTmaStore | kFastDesc, kScales>(vs, "prod-like-fd", a, b, bs, sa, d, m, n, k);
+  add<128, 5, kPipe | kTmaStore | kFastDesc, kScalesAfterIssue>(vs, "prod-like-fd-la", a, b, bs, sa, d, m, n, k);
   add<128, 6, kSerial>(vs, "serial128", a, b, bs, sa, d, m, n, k);
   add<128, 5, kNone | kTmaStore>(vs, "none128-tma", a, b, bs, sa, d, m, n, k);
   add<256, 3, kNone | kTmaStore>(vs, "none256-tma", a, b, bs, sa, d, m, n, k);
