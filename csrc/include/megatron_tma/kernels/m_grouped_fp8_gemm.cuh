@@ -137,9 +137,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // 128-wide tiles keep a second partial fragment (64 registers) so that block kb+1's wgmma runs on the
     // tensor cores while this warpgroup promotes block kb: the promotion no longer leaves them idle.
     float part2[Mma::kRegs];
+    // A stage's descriptors are stage 0's plus stage * bytes / 16 in the 14-bit start-address field (shared
+    // memory is below 256 KB: no carry out of it). Rebuilding them from the address every block cost ~5%
+    // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd).
+    const uint64_t da0 = make_kmajor_sw128_desc(smem + Cfg::OFF_A + mwg * 64 * 128);
+    const uint64_t db0 = make_kmajor_sw128_desc(smem + Cfg::OFF_B);
     auto issue = [&](float(&frag)[Mma::kRegs], const PipelineState<Cfg::STAGES>& at) {
-      const uint64_t da = make_kmajor_sw128_desc(smem + Cfg::OFF_A + at.stage * Cfg::A_BYTES + mwg * 64 * 128);
-      const uint64_t db = make_kmajor_sw128_desc(smem + Cfg::OFF_B + at.stage * Cfg::B_BYTES);
+      const uint64_t da = da0 + static_cast<uint64_t>(at.stage * (Cfg::A_BYTES >> 4));
+      const uint64_t db = db0 + static_cast<uint64_t>(at.stage * (Cfg::B_BYTES >> 4));
       fence_regs(frag);
       wgmma_fence();
 #pragma unroll
@@ -173,8 +178,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         const float nsb = __ldg(bs + kb + 1);
         float nsa0, nsa1;
         pipe.consumer_wait(next);
-        row_scales(next, tile.row_start, nsa0, nsa1);
         issue(nxt, next);
+        row_scales(next, tile.row_start, nsa0, nsa1);  // after the issue: its fence need not wait for them
         wgmma_wait<1>();  // block kb's group is complete; kb+1's may still run
         fence_regs(cur);
         pipe.consumer_release(st, lane);
