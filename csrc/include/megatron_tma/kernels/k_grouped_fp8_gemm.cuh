@@ -241,13 +241,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         st.advance();
       }
     };
-    // Tile buffer b's descriptors are buffer 0's plus b * 2 * TILE_BYTES / 16 in the start-address field (as in
-    // the M-grouped kernel: no rebuild from the address per block).
-    const uint64_t da0 = make_kmajor_sw128_desc(tiles_of(0) + mwg * 64 * 128);
-    const uint64_t db0 = make_kmajor_sw128_desc(tiles_of(0) + Cfg::TILE_BYTES);
     auto issue = [&](float(&frag)[R], int buf) {
-      const uint64_t da = da0 + static_cast<uint64_t>(buf * (2 * Cfg::TILE_BYTES >> 4));
-      const uint64_t db = db0 + static_cast<uint64_t>(buf * (2 * Cfg::TILE_BYTES >> 4));
+      const uint8_t* tiles = tiles_of(buf);
+      const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
+      const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
       fence_regs(frag);
       wgmma_fence();
 #pragma unroll
