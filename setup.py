@@ -6,6 +6,7 @@ says so. CuTe/CUTLASS headers come from the `nvidia-cutlass` wheel (only its hea
 """
 import glob
 import os
+import shlex
 import shutil
 import sys
 
@@ -63,6 +64,8 @@ if build_cuda:
         "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
         "-DNDEBUG", "-Xptxas=-v" if os.environ.get("MEGATRON_TMA_PTXAS_V") else "-Xptxas=-O3",
     ]
+    # experiments only (benchmarks/tune_ffma_hints.sh): extra nvcc flags, e.g. "-Xptxas=--register-usage-level=10"
+    nvcc_flags += shlex.split(os.environ.get("MEGATRON_TMA_NVCC_EXTRA", ""))
     ext_modules.append(
         CUDAExtension(
             "megatron_tma._C",

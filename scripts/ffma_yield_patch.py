@@ -12,11 +12,21 @@ opcode 0x223 in bits 0-11 of the low word. Embedded cubins are found by their EL
 (uncompressed) fatbin of the shared object; only `.text.<kernel>` sections whose name contains the pattern
 are touched.
 
-    python scripts/ffma_yield_patch.py megatron_tma/_C*.so [--kernel m_grouped_fp8_gemm_kernel] [--dry-run]
+Modes (--mode):
+  yield        every FFMA may yield; its reuse flags dropped (a yielding warp may not keep the reuse cache)
+  noyield      no FFMA yields; reuse flags as ptxas set them
+  reuse-chain  no yield on an FFMA whose next instruction is an FFMA reading the same register as its operand b
+               (the promotion's scale), and the reuse flag set on that operand, so the next one reads it from the
+               reuse cache: two register-file reads per promotion FFMA instead of three on every other one
+               (the register-bank hypothesis, benchmarks/NOTES.md). Only adjacent instructions are paired, and
+               the reuse flag is only set where the next instruction reads the same register in the same slot,
+               which is the flag's contract.
 
-Measured at 1db5c8f (benchmarks/NOTES.md, M-grouped table): every promotion FFMA yielding made the m-grouped
-kernel 3-5% slower and left the k-grouped kernel unchanged, so the build does not apply it. Kept to try other
-subsets (DeepGEMM patches only part of each FFMA run).
+    python scripts/ffma_yield_patch.py megatron_tma/_C*.so [--mode yield] [--kernel m_grouped_fp8_gemm_kernel]
+                                       [--dry-run]
+
+Measured at 1db5c8f (benchmarks/NOTES.md, M-grouped table): `yield` made the m-grouped kernel 3-5% slower and
+left the k-grouped kernel unchanged, so the build does not apply it.
 """
 import argparse
 import struct
@@ -51,8 +61,31 @@ def _text_sections(blob, base, e_shoff, e_shnum, e_shstrndx):
             yield name[len(".text."):], base + off, size
 
 
-def patch(blob, kernel_pattern):
+REUSE_B = 1 << 59  # operand b (bits 32-39 of the low word in the all-register FFMA form)
+MODES = ("yield", "noyield", "reuse-chain")
+
+
+def _is_ffma(lo):
+    return lo & 0xFFF == 0x223
+
+
+def _rewrite(lo, hi, next_lo, mode):
+    """The new control word of one FFMA (lo, hi) followed by the instruction next_lo (None at the end)."""
+    if mode == "yield":
+        return hi & ~YIELD_BIT & ~REUSE_BITS if hi & YIELD_BIT else hi
+    if mode == "noyield":
+        return hi | YIELD_BIT
+    reg_b, dest = (lo >> 32) & 0xFF, (lo >> 16) & 0xFF
+    if (next_lo is not None and _is_ffma(next_lo) and reg_b not in (0xFF, dest)  # RZ is no register; an FFMA
+            and (next_lo >> 32) & 0xFF == reg_b):                                  # that overwrites b must not cache it
+        return hi | YIELD_BIT | REUSE_B
+    return hi
+
+
+def patch(blob, kernel_pattern, mode="yield"):
     """Returns [(kernel, ffma count, patched count)]; modifies blob (a bytearray) in place."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     report = []
     for base, e_shoff, e_shnum, e_shstrndx in _cubins(blob):
         for name, off, size in _text_sections(blob, base, e_shoff, e_shnum, e_shstrndx):
@@ -61,11 +94,13 @@ def patch(blob, kernel_pattern):
             ffma = patched = 0
             for at in range(off, off + size, 16):
                 lo, hi = struct.unpack_from("<QQ", blob, at)
-                if lo & 0xFFF != 0x223:
+                if not _is_ffma(lo):
                     continue
                 ffma += 1
-                if hi & YIELD_BIT:  # does not yield yet (and may hold a reuse flag): let it yield, drop reuse
-                    struct.pack_into("<Q", blob, at + 8, hi & ~YIELD_BIT & ~REUSE_BITS)
+                next_lo = struct.unpack_from("<Q", blob, at + 16)[0] if at + 16 < off + size else None
+                new_hi = _rewrite(lo, hi, next_lo, mode)
+                if new_hi != hi:
+                    struct.pack_into("<Q", blob, at + 8, new_hi)
                     patched += 1
             report.append((name, ffma, patched))
     return report
@@ -75,12 +110,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", help="the built extension (.so) or an object file with an embedded cubin")
     ap.add_argument("--kernel", default="m_grouped_fp8_gemm_kernel", help="substring of the kernels to patch")
+    ap.add_argument("--mode", choices=MODES, default="yield", help="which hints to rewrite (see above)")
     ap.add_argument("--dry-run", action="store_true", help="count, write nothing")
     args = ap.parse_args()
     blob = bytearray(open(args.path, "rb").read())
-    report = patch(blob, args.kernel)
+    report = patch(blob, args.kernel, args.mode)
     for name, ffma, patched in report:
-        print(f"{name[:90]}: {ffma} FFMA, {patched} set to yield")
+        print(f"{name[:90]}: {ffma} FFMA, {patched} rewritten ({args.mode})")
     if not report or not any(p for _, _, p in report):
         print("nothing patched (no matching kernel, or a compressed fatbin)", file=sys.stderr)
         return 1

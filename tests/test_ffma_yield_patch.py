@@ -69,3 +69,52 @@ def test_reports_nothing_without_a_matching_kernel():
     before = bytes(blob)
     assert patcher.patch(blob, "m_grouped_fp8_gemm_kernel") == []
     assert bytes(blob) == before
+
+
+def _ffma(dest, a, b):
+    """The low word of FFMA R<dest>, R<a>, R<b>, ... (all-register form; operand c sits in the high word)."""
+    return 0x7223 | dest << 16 | a << 24 | b << 32
+
+
+def _patched_words(kernel, mode):
+    host = b"host object bytes"  # the scan skips an image at offset 0 (the shared object's own header)
+    blob = bytearray(host + _elf([(".text._Z25m_grouped_fp8_gemm_kernelv", _text(kernel))]))
+    report = patcher.patch(blob, "m_grouped_fp8_gemm_kernel", mode)
+    return report, [struct.unpack_from("<QQ", blob, len(host) + 64 + 16 * i) for i in range(len(kernel))]
+
+
+def test_noyield_clears_the_yield_hint_of_every_ffma_and_keeps_reuse_flags():
+    yielding, holding = 0x000FC200000000DC, 0x080FE200000000DC
+    kernel = [(FFMA_LO, yielding), (FFMA_LO, holding), (IADD_LO, yielding)]
+    report, words = _patched_words(kernel, "noyield")
+    assert report[0][1:] == (2, 1)
+    assert words[0] == (FFMA_LO, yielding | YIELD)
+    assert words[1] == (FFMA_LO, holding)             # already held, reuse flag kept
+    assert words[2] == (IADD_LO, yielding)            # not an FFMA
+
+
+def test_reuse_chain_caches_operand_b_only_for_an_adjacent_ffma_reading_it_in_the_same_slot():
+    plain = 0x000FC200000000DC                         # yields, no reuse flag
+    REUSE_B = 1 << 59
+    kernel = [
+        (_ffma(10, 20, 216), plain),   # next reads R216 as b: cache it, hold the warp
+        (_ffma(11, 21, 216), plain),   # next reads R216 as b too
+        (_ffma(12, 22, 216), plain),   # next is not an FFMA: untouched
+        (IADD_LO, plain),
+        (_ffma(13, 23, 217), plain),   # next reads R217 in slot a, not b: untouched
+        (_ffma(14, 217, 30), plain),
+        (_ffma(217, 24, 217), plain),  # overwrites its own b: the cache would hold the old value: untouched
+        (_ffma(15, 25, 217), plain),
+        (_ffma(16, 26, 255), plain),   # b is RZ: untouched
+        (_ffma(17, 27, 255), plain),   # last instruction of the section: untouched
+    ]
+    report, words = _patched_words(kernel, "reuse-chain")
+    assert report[0][1:] == (9, 2)
+    assert [lo for lo, _ in words] == [lo for lo, _ in kernel]
+    assert [hi for _, hi in words] == [plain | YIELD | REUSE_B] * 2 + [plain] * 8
+
+
+def test_rejects_an_unknown_mode():
+    import pytest
+    with pytest.raises(ValueError, match="mode must be one of"):
+        patcher.patch(bytearray(b"x"), "k", "fast")
