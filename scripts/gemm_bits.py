@@ -6,9 +6,12 @@ numerics alone. The GPU tests cannot tell: their oracle, the padded path, runs t
     python scripts/gemm_bits.py compare /tmp/bits.pt     # with the changed build: exit 1 on any differing bit
 """
 import argparse
+import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
 
 from megatron_tma import reference as R
 from megatron_tma.gemm import m_grouped_fp8_gemm
