@@ -1,54 +1,70 @@
 #!/usr/bin/env bash
-# A/B of the promotion FFMAs' scheduling hints and of a ptxas option, on one GPU machine, in one call:
-#   base         the extension as setup.py builds it
-#   <mode>       the same .so with scripts/ffma_yield_patch.py --mode <mode> applied to the M-grouped kernels
-#   base again   (drift check: the machine state moves a few % between processes)
-#   rul10        rebuilt with -Xptxas=--register-usage-level=10 (DeepGEMM builds with it)
-# Each variant: its outputs against the base build's, bit for bit (scripts/gemm_bits.py), then
-# `bench_m_grouped.py --quick` (five rows; dense cuBLAS in the same process, so ours / dense compares across
-# processes). Summary table last. Usage (GPU machine, repo root, wheels installed as gpu_session.sh does):
-#   bash benchmarks/tune_ffma_hints.sh [mode ...]        (default: noyield reuse-chain)
+# A/B of post-build changes to the M-grouped kernel, on one GPU machine, in one call:
+#   base          the extension as setup.py builds it
+#   <mode>        base with scripts/ffma_yield_patch.py --mode <mode> applied to the M-grouped kernels
+#   rul10         rebuilt with -Xptxas=--register-usage-level=10 (DeepGEMM builds with it)
+#   rul10+<mode>  both
+# Every variant's outputs are first compared with the base build's, bit for bit (scripts/gemm_bits.py). Then the
+# variants are timed in alternation, ROUNDS processes each in rotated order (benchmarks/time_m_grouped_rows.py:
+# `ours` on the five DESIGN rows), because the same build moves by a few % between processes; the summary gives
+# each variant's per-row median and its geomean against base.
+#   usage (GPU machine, repo root, wheels on PYTHONPATH): ROUNDS=4 bash benchmarks/tune_ffma_hints.sh [mode ...]
+#   (default mode: reuse-chain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT/ffma"
+D="$OUT/ffma"
+mkdir -p "$D" /tmp/variants
 modes=("$@")
-[ ${#modes[@]} -eq 0 ] && modes=(noyield reuse-chain)
-build() {
+[ ${#modes[@]} -eq 0 ] && modes=(reuse-chain)
+build() {  # name [extra nvcc flags]
   local t0=$(date +%s)
-  CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/ffma/build_$1.log" 2>&1 \
-    || { echo "build $1 failed"; tail -30 "$OUT/ffma/build_$1.log"; exit 1; }
+  MEGATRON_TMA_NVCC_EXTRA="${2:-}" CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace \
+    > "$D/build_$1.log" 2>&1 || { echo "build $1 failed"; tail -30 "$D/build_$1.log"; exit 1; }
+  cp megatron_tma/_C*.so "/tmp/variants/$1.so"
   echo "build $1: $(( $(date +%s) - t0 )) s"
-}
-bench() {  # name
-  python3 scripts/gemm_bits.py compare "$OUT/ffma/bits.pt" 2>&1 | tail -1 | sed "s/^/bits $1: /"
-  python3 benchmarks/bench_m_grouped.py --quick --out "$OUT/ffma/$1" > "$OUT/ffma/bench_$1.log" 2>&1 \
-    || { echo "bench $1 failed"; tail -20 "$OUT/ffma/bench_$1.log"; }
 }
 build base
 so=$(ls megatron_tma/_C*.so)
-cp "$so" /tmp/base.so
-python3 scripts/gemm_bits.py save "$OUT/ffma/bits.pt"
-bench base
+build rul10 "-Xptxas=--register-usage-level=10"
+variants=(base rul10)
 for m in "${modes[@]}"; do
-  cp /tmp/base.so "$so"
-  python3 scripts/ffma_yield_patch.py "$so" --mode "$m" --kernel m_grouped_fp8_gemm_kernel | sed "s/^/patch $m: /"
-  bench "$m"
+  for b in base rul10; do
+    cp "/tmp/variants/$b.so" "/tmp/variants/$b+$m.so"
+    python3 scripts/ffma_yield_patch.py "/tmp/variants/$b+$m.so" --mode "$m" | sed "s/^/patch $b+$m: /" | cut -c1-140
+    variants+=("$b+$m")
+  done
 done
-cp /tmp/base.so "$so"
-bench base2
-MEGATRON_TMA_NVCC_EXTRA="-Xptxas=--register-usage-level=10" build rul10
-bench rul10
-python3 - "$OUT/ffma" base "${modes[@]}" base2 rul10 <<'EOF'
-import glob, json, math, sys
-root, names = sys.argv[1], sys.argv[2:]
-rows = {}
-for n in names:
-    f = sorted(glob.glob(f"{root}/{n}/m_grouped-*.json"))
-    if f:
-        rows[n] = json.load(open(f[-1]))["rows"]
-print("ours TFLOPS / ours over dense cuBLAS (same process), five --quick rows; geomean of ours/dense last")
-for n, rs in rows.items():
-    cells = " ".join(f"{r['ours_tflops']:6.0f}/{r['ratio_vs_dense_cublas']:.3f}" for r in rs)
-    g = math.exp(sum(math.log(r["ratio_vs_dense_cublas"]) for r in rs) / len(rs))
-    print(f"{n:12s} {cells}  geo {g:.4f}")
-EOF
+cp /tmp/variants/base.so "$so"
+python3 scripts/gemm_bits.py save "$D/bits.pt"
+for v in "${variants[@]}"; do
+  cp "/tmp/variants/$v.so" "$so"
+  python3 scripts/gemm_bits.py compare "$D/bits.pt" 2>&1 | tail -1 | sed "s/^/bits $v: /"
+done
+n=${#variants[@]}
+for r in $(seq 0 $(( ${ROUNDS:-4} - 1 ))); do
+  for j in $(seq 0 $(( n - 1 ))); do
+    v=${variants[$(( (j + r) % n ))]}
+    cp "/tmp/variants/$v.so" "$so"
+    echo "{\"variant\": \"$v\", \"round\": $r, \"tflops\": $(python3 benchmarks/time_m_grouped_rows.py 2>"$D/err.log" || echo null)}" \
+      >> "$D/times.jsonl"
+  done
+  echo "round $r done"
+done
+cp /tmp/variants/base.so "$so"
+python3 - "$D/times.jsonl" <<'PY'
+import json, math, statistics, sys
+runs = [json.loads(line) for line in open(sys.argv[1])]
+by = {}
+for run in runs:
+    if run["tflops"]:
+        by.setdefault(run["variant"], []).append(run["tflops"])
+rows = list(next(iter(by.values()))[0])
+med = {v: {r: statistics.median(t[r] for t in ts) for r in rows} for v, ts in by.items()}
+print("ours TFLOPS, median over processes (n), five DESIGN rows; geomean vs base; spread = max/min of base per row")
+print(" ".join(f"{r:>22s}" for r in rows))
+for v, m in med.items():
+    g = math.exp(sum(math.log(m[r] / med["base"][r]) for r in rows) / len(rows))
+    print(f"{v:18s} n={len(by[v])} " + " ".join(f"{m[r]:7.0f}" for r in rows) + f"  x{g:.4f}")
+spread = [max(t[r] for t in by["base"]) / min(t[r] for t in by["base"]) for r in rows]
+print("base spread per row: " + " ".join(f"{s:.3f}" for s in spread))
+PY
