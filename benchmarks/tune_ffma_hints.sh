@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of post-build changes to the M-grouped kernel, on one GPU machine, in one call:
-#   base          the extension as setup.py builds it
+#   base          the extension as setup.py builds it, without its FFMA hint rewrite (MEGATRON_TMA_FFMA_HINTS=none)
 #   <mode>        base with scripts/ffma_yield_patch.py --mode <mode> applied to the M-grouped kernels
 #   rul10         rebuilt with -Xptxas=--register-usage-level=10 (DeepGEMM builds with it)
 #   rul10+<mode>  both
@@ -18,7 +18,7 @@ modes=("$@")
 [ ${#modes[@]} -eq 0 ] && modes=(reuse-chain)
 build() {  # name [extra nvcc flags]
   local t0=$(date +%s)
-  MEGATRON_TMA_NVCC_EXTRA="${2:-}" CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace \
+  MEGATRON_TMA_FFMA_HINTS=none MEGATRON_TMA_NVCC_EXTRA="${2:-}" CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace \
     > "$D/build_$1.log" 2>&1 || { echo "build $1 failed"; tail -30 "$D/build_$1.log"; exit 1; }
   cp megatron_tma/_C*.so "/tmp/variants/$1.so"
   echo "build $1: $(( $(date +%s) - t0 )) s"

@@ -25,8 +25,10 @@ Modes (--mode):
     python scripts/ffma_yield_patch.py megatron_tma/_C*.so [--mode yield] [--kernel m_grouped_fp8_gemm_kernel]
                                        [--dry-run]
 
-Measured at 1db5c8f (benchmarks/NOTES.md, M-grouped table): `yield` made the m-grouped kernel 3-5% slower and
-left the k-grouped kernel unchanged, so the build does not apply it.
+Measured (benchmarks/NOTES.md, M-grouped table): `yield` made the m-grouped kernel 3-5% slower (1db5c8f),
+`noyield` 3-9% slower, `reuse-chain` 3.1% faster (geomean of the five DESIGN rows, four alternating processes per
+build, same bits: benchmarks/tune_ffma_hints.sh at bf172b0). setup.py applies `reuse-chain` to the M-grouped
+kernels after every build (MEGATRON_TMA_FFMA_HINTS=none skips it).
 """
 import argparse
 import struct

@@ -118,3 +118,14 @@ def test_rejects_an_unknown_mode():
     import pytest
     with pytest.raises(ValueError, match="mode must be one of"):
         patcher.patch(bytearray(b"x"), "k", "fast")
+
+
+def test_reuse_chain_is_idempotent_as_the_build_applies_it_on_every_relink():
+    plain = 0x000FC200000000DC
+    kernel = [(_ffma(10, 20, 216), plain), (_ffma(11, 21, 216), plain), (_ffma(12, 22, 216), plain)]
+    host = b"host object bytes"
+    blob = bytearray(host + _elf([(".text._Z25m_grouped_fp8_gemm_kernelv", _text(kernel))]))
+    assert patcher.patch(blob, "m_grouped_fp8_gemm_kernel", "reuse-chain")[0][1:] == (3, 2)
+    once = bytes(blob)
+    assert patcher.patch(blob, "m_grouped_fp8_gemm_kernel", "reuse-chain")[0][1:] == (3, 0)
+    assert bytes(blob) == once
