@@ -62,7 +62,11 @@ def apply_ffma_hints(so_path):
         return
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ffma_yield_patch", os.path.join(ROOT, "scripts", "ffma_yield_patch.py"))
+    script = os.path.join(ROOT, "scripts", "ffma_yield_patch.py")
+    if not os.path.exists(script):  # e.g. a source distribution without scripts/
+        print(f"[megatron_tma] FFMA hints not applied: {script} is missing", file=sys.stderr)
+        return
+    spec = importlib.util.spec_from_file_location("ffma_yield_patch", script)
     patcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(patcher)
     with open(so_path, "rb") as f:
