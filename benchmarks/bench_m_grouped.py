@@ -35,15 +35,27 @@ def rowwise_fp8(x):
     return (x.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
 
-def run_config(G, M, N, K, dist, seed, iters):
+def make_inputs(G, M, N, K, dist, seed):
+    """One configuration's operands: (group sizes on the CPU, groups on the GPU, x, w, FP8 x + scales, FP8 w +
+    scales), the same for every caller with the same seed (time_m_grouped_rows.py times these rows too)."""
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
     sizes = make_group_sizes(M, G, dist, seed)
-    groups = sizes.to(dev)
     x = torch.randn(M, K, generator=gen, device=dev).bfloat16()
     w = (torch.randn(G, N, K, generator=gen, device=dev) * 0.05).bfloat16()
     aq, a_s = quant.quantize_1x128(x)
     wq, ws, _, _ = quant.quantize_128x128(w)
+    return sizes, sizes.to(dev), x, w, aq, a_s, wq, ws
+
+
+def row_seed(i):
+    """The seed of the benchmark's row i (of the --quick or the full grid)."""
+    return 1000 + i
+
+
+def run_config(G, M, N, K, dist, seed, iters):
+    dev = "cuda"
+    sizes, groups, x, w, aq, a_s, wq, ws = make_inputs(G, M, N, K, dist, seed)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
     row = {"G": G, "M": M, "N": N, "K": K, "dist": dist, "seed": seed,
            "pad_rows_pct": round(100.0 * (int((-(-sizes // 128) * 128).sum()) - M) / M, 2),
@@ -125,7 +137,7 @@ def main():
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
     for i, ((G, M, N, K), dist) in enumerate(configs):
-        row = run_config(G, M, N, K, dist, seed=1000 + i, iters=args.iters)
+        row = run_config(G, M, N, K, dist, seed=row_seed(i), iters=args.iters)
         rows.append(row)
         print(f"[{i + 1}/{len(configs)}] G={G} M={M} N={N} K={K} {dist}: ours {row.get('ours_tflops')} TFLOPS, "
               f"x{row.get('speedup_vs_padded_path')} vs padded path, bitexact={row['bitexact']}", flush=True)

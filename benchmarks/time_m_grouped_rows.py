@@ -13,11 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from bench_m_grouped import TABLE  # noqa: E402
+from bench_m_grouped import TABLE, make_inputs, row_seed  # noqa: E402
 
-from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import m_grouped_fp8_gemm  # noqa: E402
-from megatron_tma.groups import make_group_sizes  # noqa: E402
 
 
 def main():
@@ -26,13 +24,7 @@ def main():
     args = ap.parse_args()
     tflops = {}
     for i, (G, M, N, K) in enumerate(TABLE):
-        seed = 1000 + i  # as bench_m_grouped.py --quick
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        groups = make_group_sizes(M, G, "paper", seed).to("cuda")
-        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
-        w = (torch.randn(G, N, K, generator=gen, device="cuda") * 0.05).bfloat16()
-        aq, a_s = quant.quantize_1x128(x)
-        wq, ws, _, _ = quant.quantize_128x128(w)
+        _, groups, _, _, aq, a_s, wq, ws = make_inputs(G, M, N, K, "paper", row_seed(i))
         out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
         ms = common.bench(lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out), iters=args.iters)
         tflops[f"G{G}_M{M}_N{N}_K{K}"] = round(2.0 * M * N * K / ms / 1e9, 1)
