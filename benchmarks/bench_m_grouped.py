@@ -66,6 +66,7 @@ def run_config(G, M, N, K, dist, seed, iters):
     fns["ours"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out)
     # both tile widths (same bits): the evidence for the default
     fns["ours_bn128"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_n=128)
+    fns["ours_bn192"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_n=192)
     if N % 256 == 0:
         fns["ours_bn256"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_n=256)
     fns["padded_path"] = lambda: padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)

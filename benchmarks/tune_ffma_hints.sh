@@ -51,20 +51,4 @@ for r in $(seq 0 $(( ${ROUNDS:-4} - 1 ))); do
   echo "round $r done"
 done
 cp /tmp/variants/base.so "$so"
-python3 - "$D/times.jsonl" <<'PY'
-import json, math, statistics, sys
-runs = [json.loads(line) for line in open(sys.argv[1])]
-by = {}
-for run in runs:
-    if run["tflops"]:
-        by.setdefault(run["variant"], []).append(run["tflops"])
-rows = list(next(iter(by.values()))[0])
-med = {v: {r: statistics.median(t[r] for t in ts) for r in rows} for v, ts in by.items()}
-print("ours TFLOPS, median over processes (n), five DESIGN rows; geomean vs base; spread = max/min of base per row")
-print(" ".join(f"{r:>22s}" for r in rows))
-for v, m in med.items():
-    g = math.exp(sum(math.log(m[r] / med["base"][r]) for r in rows) / len(rows))
-    print(f"{v:18s} n={len(by[v])} " + " ".join(f"{m[r]:7.0f}" for r in rows) + f"  x{g:.4f}")
-spread = [max(t[r] for t in by["base"]) / min(t[r] for t in by["base"]) for r in rows]
-print("base spread per row: " + " ".join(f"{s:.3f}" for s in spread))
-PY
+python3 benchmarks/ab_summary.py "$D/times.jsonl" base

@@ -71,8 +71,8 @@ def m_grouped_fp8_gemm(
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
-    block_n: output tile width, 128 or 256 (0: the default, 128, measured faster; the result is the same bit for
-    bit, only the speed differs).
+    block_n: output tile width, 128, 192 or 256 (0: the default, 128; the result is the same bit for bit, only the
+    speed differs).
     """
     op = _ext.fast_op("m_grouped_fp8_gemm_out", backend, a) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None:  # the op checks every rule below; on a refusal, fall through for the clear error
@@ -83,8 +83,8 @@ def m_grouped_fp8_gemm(
         except Exception:
             pass
     m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
-    if block_n not in (0, 128, 256):
-        raise ValueError(f"block_n must be 0 (auto), 128 or 256, got {block_n!r}")
+    if block_n not in (0, 128, 192, 256):
+        raise ValueError(f"block_n must be 0 (auto), 128, 192 or 256, got {block_n!r}")
     device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales, groups=groups, out=out)
     groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
     if out is not None:

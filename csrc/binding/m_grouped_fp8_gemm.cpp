@@ -45,7 +45,8 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
                   out.size(1) == N && out.stride(1) == 1 && out.stride(0) % 8 == 0 && aligned16(out),
               "out must be a BF16 [M, N] tensor with unit column stride and 16-byte aligned rows");
   TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
-  TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 256, "block_n must be 0 (auto), 128 or 256, got ", block_n);
+  TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 192 || block_n == 256,
+              "block_n must be 0 (auto), 128, 192 or 256, got ", block_n);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scales, &b, &b_scales, &groups, &out})
     TORCH_CHECK(t->device() == a.device(), "all tensors must be on one device (", a.device(), " and ", t->device(), ")");
   c10::cuda::CUDAGuard guard(a.device());

@@ -7,6 +7,7 @@ namespace megatron_tma {
 namespace {
 
 using ConfigN128 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
+using ConfigN192 = MGroupedGemmConfig</*BLOCK_N=*/192, /*STAGES=*/4>;
 using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
 constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
 
@@ -20,10 +21,13 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream);
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
   // 128-wide tiles keep two partial fragments in flight (promotion overlapped with the next K block's
   // wgmma) and measured faster than 256-wide ones on every shape tried (benchmarks/NOTES.md), so they are
-  // the default; 256 stays selectable for comparison.
+  // the default; 192 and 256 stay selectable for comparison (same bits). A wider tile whose shared memory
+  // does not fit beside the group table (thousands of groups) falls back to 128.
   const int block_n = args.block_n == 0 ? 128 : args.block_n;
-  if (block_n == 256 && ConfigN256::smem_bytes(args.groups.num_groups) <= kMaxSmem) return launch<ConfigN256>(args, stream);
-  if (block_n == 128 || block_n == 256) return launch<ConfigN128>(args, stream);
+  const int G = args.groups.num_groups;
+  if (block_n == 192 && ConfigN192::smem_bytes(G) <= kMaxSmem) return launch<ConfigN192>(args, stream);
+  if (block_n == 256 && ConfigN256::smem_bytes(G) <= kMaxSmem) return launch<ConfigN256>(args, stream);
+  if (block_n == 128 || block_n == 192 || block_n == 256) return launch<ConfigN128>(args, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -19,6 +19,24 @@ __device__ __forceinline__ void promote_row_scaled(float (&acc)[R], const float 
   }
 }
 
+// Two B scales split at fragment column block kSplitJ (8 columns each), for a tile whose columns straddle two
+// 128-wide weight-scale blocks (BLOCK_N = 192): columns 8j.. with j < kSplitJ take sb_lo, the rest sb_hi. Each
+// element gets exactly the scale product a 128-wide tile gives it, so the bits agree.
+template <int kSplitJ, int R>
+__device__ __forceinline__ void promote_row_scaled_split(float (&acc)[R], const float (&part)[R], float sa0, float sa1,
+                                                         float sb_lo, float sb_hi) {
+  const float l0 = __fmul_rn(sa0, sb_lo), l1 = __fmul_rn(sa1, sb_lo);
+  const float h0 = __fmul_rn(sa0, sb_hi), h1 = __fmul_rn(sa1, sb_hi);
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+    const float s0 = j < kSplitJ ? l0 : h0, s1 = j < kSplitJ ? l1 : h1;  // resolved at compile time
+    acc[4 * j + 0] = __fmaf_rn(s0, part[4 * j + 0], acc[4 * j + 0]);
+    acc[4 * j + 1] = __fmaf_rn(s0, part[4 * j + 1], acc[4 * j + 1]);
+    acc[4 * j + 2] = __fmaf_rn(s1, part[4 * j + 2], acc[4 * j + 2]);
+    acc[4 * j + 3] = __fmaf_rn(s1, part[4 * j + 3], acc[4 * j + 3]);
+  }
+}
+
 // A per-column B scale (token-block scales of X^T: K-grouped GEMM). `sb_cols` points at the fragment's
 // column scales in shared memory, already offset by 2 * (lane % 4).
 template <int R>

@@ -21,19 +21,28 @@ __device__ __forceinline__ uint64_t make_kmajor_sw128_desc(const void* smem) {
 // Advance a descriptor by `bytes` along K inside the swizzle row (bytes a multiple of 16).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
+// The cute op of one m64nNk32 e4m3 x e4m3 -> f32 wgmma with both operands in shared memory.
 template <int N>
-struct WgmmaFp8;
-
+struct WgmmaFp8Op;
 template <>
-struct WgmmaFp8<128> {
-  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-  static constexpr int kRegs = 64;
+struct WgmmaFp8Op<128> {
+  using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct WgmmaFp8Op<192> {
+  using type = cute::SM90::GMMA::MMA_64x192x32_F32E4M3E4M3_SS_TN<>;
+};
+
+template <int N>
+struct WgmmaFp8 {
+  using Op = typename WgmmaFp8Op<N>::type;
+  static constexpr int kRegs = N / 2;  // 64 x N FP32 over 128 threads
   template <size_t... I>
   __device__ __forceinline__ static void call(uint64_t da, uint64_t db, float* d, bool accumulate,
                                               std::index_sequence<I...>) {
     Op::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
   }
-  // D(64x128, fp32) (+)= A(64x32) . B(128x32)^T
+  // D(64xN, fp32) (+)= A(64x32) . B(Nx32)^T
   __device__ __forceinline__ static void mma(uint64_t da, uint64_t db, float (&d)[kRegs], bool accumulate) {
     call(da, db, d, accumulate, std::make_index_sequence<kRegs>{});
   }

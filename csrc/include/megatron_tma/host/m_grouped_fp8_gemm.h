@@ -15,7 +15,7 @@ struct MGroupedGemmArgs {
   int d_ld;
   int m_total, n, k;
   GroupsArg groups;       // device sizes [G] or offsets [G+1]
-  int block_n;            // output tile width 128 or 256; 0 = default (128, the faster one measured)
+  int block_n;            // output tile width 128, 192 or 256; 0 = default (128, the faster one measured)
 };
 
 // Validates geometry it can see (returns cudaErrorInvalidValue with nothing launched) and launches on `stream`.

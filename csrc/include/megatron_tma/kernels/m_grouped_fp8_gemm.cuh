@@ -67,12 +67,17 @@ struct MGroupedGemmConfig {
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 2048;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
-  // A BLOCK_N = 256 tile is computed as two 128-column halves, each with its own B scale (weights are
-  // scaled per 128x128 block) and one shared 64-register partial-sum fragment: acc takes 64 registers per
-  // half, so 128 x 256 fits the 232-register budget and reads 48 KB per K block for 8.4 MFLOP (175 FLOP/B
-  // of L2 traffic, against 128 for 128 x 128 tiles).
-  static constexpr int N_HALVES = BLOCK_N / 128;
-  static_assert(BLOCK_N == 128 || BLOCK_N == 256, "BLOCK_N is 128 or 256");
+  // Three tile shapes, three ways of spending the 232 math registers (the same bits from each):
+  // - 128: one m64n128 wgmma per k32 step and two 64-register partial fragments, so block kb+1 runs on the
+  //   tensor cores while block kb is promoted (acc 64 + 2 x 64).
+  // - 192: one m64n192 wgmma per k32 step into a single 96-register partial (acc 96 + 96), retired and
+  //   promoted after each block as DeepGEMM does; the two warpgroups' blocks interleave on the tensor cores.
+  //   Fewer bytes per MAC (shared memory: 1/64 + 1/192 of wgmma operand reads, 1/128 + 1/192 of TMA writes).
+  //   The tile straddles two 128-wide weight-scale blocks (promote_row_scaled_split).
+  // - 256: two 128-column halves, each with its own B scale, sharing one 64-register partial (no overlap).
+  static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
+  static constexpr int N_HALVES = BLOCK_N / N_INSTR;
+  static_assert(BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 256, "BLOCK_N is 128, 192 or 256");
 };
 
 template <class Cfg>
@@ -129,7 +134,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r0 = 16 * warp + lane / 4;  // this thread's fragment rows: r0 and r0 + 8 (within the half)
     const int n_b128 = (p.n + 127) / 128;
-    using Mma = WgmmaFp8<128>;
+    using Mma = WgmmaFp8<Cfg::N_INSTR>;
     constexpr int H = Cfg::N_HALVES;
     float acc[H][Mma::kRegs], part[Mma::kRegs];
     PipelineState<Cfg::STAGES> st;
@@ -197,6 +202,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       two_fragment_pipeline(num_kb, p0, part2, step, last);
     };
 
+    // 192-wide tiles: one partial fragment, retired and promoted after each block. Columns [0, 8 * split_j) of
+    // the tile lie in weight-scale block b_lo, the rest in b_lo + 1 (clamped at the edge: columns past N are
+    // never stored). No scale may be waited for between a block's wgmma issues (a warp issues in order, and
+    // ptxas hoists the scale products up to the last issue): so every scale of block kb+1 is fetched while
+    // block kb runs, the B scales from global memory and the A scales from stage kb+1 once it has landed.
+    // (Fetched at the top of the block instead, each block's last wgmma waited on a global load: -14%.)
+    auto mainloop_single = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs]) {
+      if (!active) {
+        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+          pipe.consumer_wait(st);
+          pipe.consumer_release(st, lane);
+        }
+        return;
+      }
+      const int n0 = tile.n_block * Cfg::BLOCK_N, b_lo = n0 / 128;
+      const float* bs_lo = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b_lo) * num_kb;
+      const float* bs_hi = bs_lo + (b_lo + 1 < n_b128 ? num_kb : 0);
+      const bool split16 = n0 % 128 == 0;  // else the tile starts mid-block: 64 columns in b_lo
+      float sb_lo = __ldg(bs_lo), sb_hi = __ldg(bs_hi), sa0, sa1;
+      pipe.consumer_wait(st);
+      row_scales(st, tile.row_start, sa0, sa1);
+      for (int kb = 0; kb < num_kb; ++kb) {
+        issue(part, st);
+        PipelineState<Cfg::STAGES> next = st;
+        next.advance();
+        float nsa0 = 0.f, nsa1 = 0.f, nsb_lo = 0.f, nsb_hi = 0.f;
+        if (kb + 1 < num_kb) {
+          nsb_lo = __ldg(bs_lo + kb + 1), nsb_hi = __ldg(bs_hi + kb + 1);
+          pipe.consumer_wait(next);
+          row_scales(next, tile.row_start, nsa0, nsa1);
+        }
+        wgmma_wait<0>();
+        fence_regs(part);
+        pipe.consumer_release(st, lane);
+        if (split16)
+          promote_row_scaled_split<16>(accum, part, sa0, sa1, sb_lo, sb_hi);
+        else
+          promote_row_scaled_split<8>(accum, part, sa0, sa1, sb_lo, sb_hi);
+        sa0 = nsa0, sa1 = nsa1, sb_lo = nsb_lo, sb_hi = nsb_hi;
+        st = next;
+      }
+    };
+
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = sched.get(t);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
@@ -207,7 +255,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
 #pragma unroll
         for (int i = 0; i < Mma::kRegs; ++i) acc[h][i] = 0.f;
 
-      if constexpr (H == 1) {
+      if constexpr (Cfg::BLOCK_N == 192) {
+        mainloop_single(tile, active, acc[0]);
+      } else if constexpr (H == 1) {
         mainloop_pipelined(tile, active, bs, acc[0], part);
       } else {
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
@@ -247,7 +297,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         const int half = j / 8, chunk = j % 8;
         uint8_t* base = d_tile + half * (Cfg::BLOCK_M * 128);
         const int row_a = 64 * mwg + r0, row_b = row_a + 8;
-        const float* a = acc[j / 16] + 4 * (j % 16);
+        const float* a = acc[j / (Mma::kRegs / 4)] + 4 * (j % (Mma::kRegs / 4));
         __nv_bfloat162 va = __floats2bfloat162_rn(a[0], a[1]);
         __nv_bfloat162 vb = __floats2bfloat162_rn(a[2], a[3]);
         *reinterpret_cast<__nv_bfloat162*>(base + sw128_offset(row_a, chunk) + 4 * (lane % 4)) = va;
