@@ -64,17 +64,24 @@ enum ScaleMode { kNoScales = 0, kScales = 1, kScalesAfterIssue = 2 };
 constexpr int kNoStore = 8;  // mode flag: skip the epilogue's stores (what a fully hidden epilogue could give)
 constexpr int kTmaStore = 16;  // mode flag: the production epilogue (BF16 tile in shared memory, TMA store)
 constexpr int kFastDesc = 32;  // mode flag: stage descriptors by one add from stage 0's (see issue())
+// mode flag: three math warpgroups (192-row tiles, 64 rows each) at 160 registers, the producer at 24: the serial
+// scheme then has two other warpgroups' wgmma to hide each warpgroup's promotion behind
+constexpr int kMath3 = 64;
 
 template <int BN, int STAGES, int MODE, int SA>
 struct Cfg {
-  static constexpr int A_BYTES = 128 * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
+  static constexpr int MW = (MODE & kMath3) ? 3 : 2, BLOCK_M = 64 * MW, THREADS = 128 * (1 + MW);
+  // setmaxnreg budget: the pool holds what the producer's dec frees (launch: 64K / THREADS per thread)
+  static constexpr int REG_PRODUCER = MW == 3 ? 24 : 40, REG_MATH = MW == 3 ? 160 : 232;
+  static_assert(128 * REG_PRODUCER + 128 * MW * REG_MATH <= THREADS * ((65536 / THREADS) & ~7), "register pool");
+  static constexpr int A_BYTES = BLOCK_M * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
   static constexpr int SA_BYTES = 132 * 4, SA_SLOT = 640;  // the production kernel's A-scale box and slot
   static constexpr int OFF_SA = STAGES * STAGE;
   // the 128B-swizzled staging tile of the TMA store needs a 1024-aligned base (the scale slots are 640 B each)
   static constexpr int OFF_D = (OFF_SA + (SA != kNoScales ? STAGES * SA_SLOT : 0) + 1023) / 1024 * 1024;
-  static constexpr int D_BYTES = 128 * BN * 2;
+  static constexpr int D_BYTES = BLOCK_M * BN * 2;
   static constexpr int OFF_BAR = OFF_D + D_BYTES;
-  static constexpr int SMEM = 1024 + OFF_BAR + 2 * STAGES * 8 + 512;  // + 128 row scales
+  static constexpr int SMEM = 1024 + OFF_BAR + 2 * STAGES * 8 + 1024;  // + BLOCK_M row scales
 };
 
 struct Params {
@@ -86,18 +93,19 @@ struct Params {
 };
 
 template <int BN, int STAGES, int MODE_FLAGS, int SA>
-__global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(Cfg<BN, STAGES, MODE_FLAGS, SA>::THREADS, 1) ceiling_kernel(const __grid_constant__ Params p) {
   constexpr int MODE = MODE_FLAGS & 3;  // the other bits are flags
-  using C = Cfg<BN, STAGES, MODE, SA>;
+  using C = Cfg<BN, STAGES, MODE_FLAGS, SA>;
+  static_assert(C::MW == 2 || (MODE != kPipe && SA == kNoScales), "three warpgroups: serial or none, no A scales");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (mt::smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::OFF_BAR);
   float* row_scale = reinterpret_cast<float*>(smem + C::OFF_BAR + 2 * STAGES * 8);
   const mt::Pipeline<STAGES> pipe{full, full + STAGES};
-  if (threadIdx.x == 0) pipe.init(8);
-  if (threadIdx.x < 128) row_scale[threadIdx.x] = 1.0f;  // as the A scales in global memory: bits comparable
+  if (threadIdx.x == 0) pipe.init(4 * C::MW);
+  if (threadIdx.x < C::BLOCK_M) row_scale[threadIdx.x] = 1.0f;  // as the A scales in global memory: bits comparable
   __syncthreads();
-  const int num_kb = p.k / 128, m_blocks = p.m / 128, n_blocks = p.n / BN, tiles = m_blocks * n_blocks;
+  const int num_kb = p.k / 128, m_blocks = p.m / C::BLOCK_M, n_blocks = p.n / BN, tiles = m_blocks * n_blocks;
   constexpr int kPanel = 8;
   auto tile_of = [&](int t, int& mb, int& nb) {  // panels of kPanel N blocks, M blocks fastest inside a panel
     const int panel = t / (kPanel * m_blocks), in = t - panel * kPanel * m_blocks;
@@ -107,7 +115,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
   };
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
-    mt::setmaxnreg_dec<40>();
+    mt::setmaxnreg_dec<C::REG_PRODUCER>();
     if (threadIdx.x == 0) {
       mt::PipelineState<STAGES> st;
       for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -115,7 +123,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
         tile_of(t, mb, nb);
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
           uint64_t* bar = pipe.producer_acquire(st, C::STAGE + (SA != kNoScales ? C::SA_BYTES : 0));
-          mt::tma_load_2d(&p.a, bar, smem + st.stage * C::STAGE, kb * 128, mb * 128);
+          mt::tma_load_2d(&p.a, bar, smem + st.stage * C::STAGE, kb * 128, mb * C::BLOCK_M);
           if constexpr (SA != kNoScales) mt::tma_load_2d(&p.sa, bar, smem + C::OFF_SA + st.stage * C::SA_SLOT, mb * 128, kb);
           mt::tma_load_2d(&p.b, bar, smem + st.stage * C::STAGE + C::A_BYTES, kb * 128, nb * BN);
         }
@@ -123,7 +131,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
     }
     return;
   }
-  mt::setmaxnreg_inc<232>();
+  mt::setmaxnreg_inc<C::REG_MATH>();
   const int mwg = wg - 1, tid = threadIdx.x % 128, lane = tid % 32, r0 = 16 * (tid / 32) + lane / 4;
   using Mma = Wgmma<BN>;
   constexpr int R = Mma::kRegs;
@@ -232,7 +240,7 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
       uint8_t* d_tile = smem + C::OFF_D;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-        uint8_t* base = d_tile + (j / 8) * (128 * 128);
+        uint8_t* base = d_tile + (j / 8) * (C::BLOCK_M * 128);
         const int row_a = 64 * mwg + r0, row_b = row_a + 8;
         *reinterpret_cast<__nv_bfloat162*>(base + mt::sw128_offset(row_a, j % 8) + 4 * (lane % 4)) =
             __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
@@ -244,13 +252,14 @@ __global__ void __launch_bounds__(384, 1) ceiling_kernel(const __grid_constant__
       if (tid == 0) {
 #pragma unroll
         for (int h = 0; h < BN / 64; ++h)
-          mt::tma_store_2d(&p.d_map, d_tile + h * (128 * 128) + 64 * mwg * 128, nb * BN + 64 * h, mb * 128 + 64 * mwg);
+          mt::tma_store_2d(&p.d_map, d_tile + h * (C::BLOCK_M * 128) + 64 * mwg * 128, nb * BN + 64 * h,
+                           mb * C::BLOCK_M + 64 * mwg);
         mt::tma_store_commit();
       }
       continue;
     }
     // plain BF16 stores: rows r0, r0 + 8 of this warpgroup's 64, columns 8j + 2 (lane % 4)
-    __nv_bfloat16* d = p.d + static_cast<size_t>(mb * 128 + 64 * mwg + r0) * p.n + nb * BN + 2 * (lane % 4);
+    __nv_bfloat16* d = p.d + static_cast<size_t>(mb * C::BLOCK_M + 64 * mwg + r0) * p.n + nb * BN + 2 * (lane % 4);
 #pragma unroll
     for (int j = 0; j < R / 4; ++j) {
       *reinterpret_cast<__nv_bfloat162*>(d + 8 * j) = __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
@@ -282,11 +291,11 @@ template <int BN, int STAGES, int MODE, int SA = kNoScales>
 void add(std::vector<Variant>& vs, const char* name, void* a, void* b, const float* bs, const float* sa,
          __nv_bfloat16* d, int m, int n, int k) {
   using C = Cfg<BN, STAGES, MODE, SA>;
-  if (n % BN) return;
+  if (n % BN || m % C::BLOCK_M) return;
   Params p{};
   {
     const uint64_t dims[2] = {(uint64_t)k, (uint64_t)m}, strides[1] = {(uint64_t)k};
-    const uint32_t box[2] = {128, 128};
+    const uint32_t box[2] = {128, (uint32_t)C::BLOCK_M};
     CHECK(mt::encode_tma(&p.a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B));
   }
   {
@@ -309,8 +318,8 @@ void add(std::vector<Variant>& vs, const char* name, void* a, void* b, const flo
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int tiles = (m / 128) * (n / BN), grid = tiles < sms ? tiles : sms;
-  vs.push_back({name, BN, STAGES, [=] { kernel<<<grid, 384, C::SMEM>>>(p); }, {}});
+  const int tiles = (m / C::BLOCK_M) * (n / BN), grid = tiles < sms ? tiles : sms;
+  vs.push_back({name, BN, STAGES, [=] { kernel<<<grid, C::THREADS, C::SMEM>>>(p); }, {}});
 }
 
 // Every variant once per round, in an order rotated each round, each call after an L2 flush: clock and power
@@ -380,6 +389,8 @@ int main(int argc, char** argv) {
   add<128, 5, kSerial | kTmaStore | kFastDesc>(vs, "serial128-tma-fd", a, b, bs, sa, d, m, n, k);
   add<192, 4, kSerial | kTmaStore | kFastDesc>(vs, "serial192-tma-fd", a, b, bs, sa, d, m, n, k);
   add<192, 4, kNone | kTmaStore | kFastDesc>(vs, "none192-tma-fd", a, b, bs, sa, d, m, n, k);
+  add<128, 4, kSerial | kTmaStore | kFastDesc | kMath3>(vs, "serial128x3-tma-fd", a, b, bs, sa, d, m, n, k);
+  add<128, 4, kNone | kTmaStore | kFastDesc | kMath3>(vs, "none128x3-tma-fd", a, b, bs, sa, d, m, n, k);
   add<128, 5, kNone | kTmaStore>(vs, "none128-tma", a, b, bs, sa, d, m, n, k);
   add<256, 3, kNone | kTmaStore>(vs, "none256-tma", a, b, bs, sa, d, m, n, k);
   if (argc > 5 && std::string(argv[4]) == "--only") {  // one variant, launched twice (for ncu: --launch-skip 1)
