@@ -71,8 +71,7 @@ def apply_ffma_hints(so_path):
     spec.loader.exec_module(patcher)
     with open(so_path, "rb") as f:
         blob = bytearray(f.read())
-    # the 128-wide kernel only: measured there; on the serial 192-wide one the same rewrite cost ~4% (NOTES)
-    report = patcher.patch(blob, "m_grouped_fp8_gemm_kernelINS_18MGroupedGemmConfigILi128E", mode)
+    report = patcher.patch(blob, patcher.BUILD_KERNEL_PATTERN, mode)  # the two-fragment 128 x 128 kernel only
     rewritten = sum(n for _, _, n in report)
     if rewritten:
         with open(so_path, "wb") as f:

@@ -2,7 +2,7 @@
 TFLOPS: the cheap timing that tune_ffma_hints.sh repeats, alternating builds across processes, to compare
 builds whose effect is near the process-to-process spread (a few %).
 
-    python benchmarks/time_m_grouped_rows.py [--iters 25] [--block-n 0|128|192|256]
+    python benchmarks/time_m_grouped_rows.py [--iters 25] [--block-m 0|128|192] [--block-n 0|128|192|256]
 """
 import argparse
 import json
@@ -21,13 +21,14 @@ from megatron_tma.gemm import m_grouped_fp8_gemm  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=25)
+    ap.add_argument("--block-m", type=int, default=0, help="tile height passed to the GEMM (0: its default)")
     ap.add_argument("--block-n", type=int, default=0, help="tile width passed to the GEMM (0: its default)")
     args = ap.parse_args()
     tflops = {}
     for i, (G, M, N, K) in enumerate(TABLE):
         _, groups, _, _, aq, a_s, wq, ws = make_inputs(G, M, N, K, "paper", row_seed(i))
         out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
-        ms = common.bench(lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_n=args.block_n), iters=args.iters)
+        ms = common.bench(lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_m=args.block_m, block_n=args.block_n), iters=args.iters)
         tflops[f"G{G}_M{M}_N{N}_K{K}"] = round(2.0 * M * N * K / ms / 1e9, 1)
     print(json.dumps(tflops))
 

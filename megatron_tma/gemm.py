@@ -64,6 +64,7 @@ def m_grouped_fp8_gemm(
     out: Optional[torch.Tensor] = None,
     backend: str = "auto",
     block_n: int = 0,
+    block_m: int = 0,
 ) -> torch.Tensor:
     """`out[rows of g] = (a[rows of g] * sa) . (b[g] * sb)^T` in BF16, for every group g.
 
@@ -71,20 +72,25 @@ def m_grouped_fp8_gemm(
     b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
-    block_n: output tile width, 128, 192 or 256 (0: the default, 128; the result is the same bit for bit, only the
-    speed differs).
+    block_m, block_n: the output tile, for tuning and comparison only (every tile gives the same bits; only the
+    speed differs). Default (0, 0): 192 x 128 on three math warpgroups. block_m=128 selects the two-warpgroup
+    kernels with block_n 128, 192 or 256; block_m=192 needs block_n 0 or 128.
     """
     op = _ext.fast_op("m_grouped_fp8_gemm_out", backend, a) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None:  # the op checks every rule below; on a refusal, fall through for the clear error
         try:
             res = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
-            op(a, a_scales, b, b_scales, groups, res, block_n)
+            op(a, a_scales, b, b_scales, groups, res, block_n, block_m)
             return res
         except Exception:
             pass
     m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
     if block_n not in (0, 128, 192, 256):
         raise ValueError(f"block_n must be 0 (auto), 128, 192 or 256, got {block_n!r}")
+    if block_m not in (0, 128, 192):
+        raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
+    if block_m == 192 and block_n not in (0, 128):
+        raise ValueError(f"block_m=192 tiles are 128 wide, got block_n={block_n}")
     device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales, groups=groups, out=out)
     groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
     if out is not None:
@@ -101,7 +107,7 @@ def m_grouped_fp8_gemm(
     if _ext.use_cuda(backend, device):
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, block_n)
+        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, block_n, block_m)
         return out
     from . import reference
 
@@ -122,7 +128,7 @@ def padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=None, align:
 if _ext.has_extension():
 
     @torch.library.register_fake("megatron_tma::m_grouped_fp8_gemm_out")
-    def _(a, a_scales, b, b_scales, groups, out, block_n=0):  # mutates `out` only
+    def _(a, a_scales, b, b_scales, groups, out, block_n=0, block_m=0):  # mutates `out` only
         return None
 
 

@@ -65,6 +65,10 @@ def _text_sections(blob, base, e_shoff, e_shnum, e_shstrndx):
 
 REUSE_B = 1 << 59  # operand b (bits 32-39 of the low word in the all-register FFMA form)
 MODES = ("yield", "noyield", "reuse-chain")
+# What setup.py rewrites after every build: the two-fragment 128 x 128 M-grouped kernel (MGroupedGemmConfig<128, 5,
+# 2>) only. reuse-chain measured +3% there; on the serial kernels, whose other warpgroups need issue slots during
+# a run of FFMAs, it cost 4-7% (benchmarks/NOTES.md). tests/test_ffma_yield_patch.py checks it names one kernel.
+BUILD_KERNEL_PATTERN = "m_grouped_fp8_gemm_kernelINS_18MGroupedGemmConfigILi128ELi5ELi2EE"
 
 
 def _is_ffma(lo):

@@ -129,3 +129,19 @@ def test_reuse_chain_is_idempotent_as_the_build_applies_it_on_every_relink():
     once = bytes(blob)
     assert patcher.patch(blob, "m_grouped_fp8_gemm_kernel", "reuse-chain")[0][1:] == (3, 0)
     assert bytes(blob) == once
+
+
+def test_build_pattern_names_exactly_the_two_fragment_kernel():
+    """setup.py rewrites the kernels matching BUILD_KERNEL_PATTERN. In the sm_90a object that the CI compile check
+    builds (.ci/compile_kernels.sh), it must select the one two-fragment 128 x 128 kernel, with its promotion FFMA
+    runs, and none of the serial ones (a renamed template would otherwise drop the +3% or slow a serial kernel)."""
+    obj = os.path.join(ROOT, ".build-check", "m_grouped_fp8_gemm.o")
+    if not os.path.exists(obj):
+        pytest.skip("run .ci/compile_kernels.sh first (CI does)")
+    with open(obj, "rb") as f:
+        blob = bytearray(f.read())
+    everything = patcher.patch(bytearray(blob), "m_grouped_fp8_gemm_kernel", "reuse-chain")
+    chosen = patcher.patch(bytearray(blob), patcher.BUILD_KERNEL_PATTERN, "reuse-chain")
+    assert len(everything) >= 4  # 128 x 128 (two fragments), 128 x 192, 128 x 256, 192 x 128
+    assert len(chosen) == 1 and "ILi128ELi5ELi2E" in chosen[0][0]
+    assert chosen[0][2] > 100  # the FFMA runs of its promotion were found and rewritten

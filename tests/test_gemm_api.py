@@ -50,6 +50,8 @@ def test_out_argument_is_filled_and_returned():
          ValueError, "out must start 16-byte aligned"),
         (lambda a: a.update(backend="tpu"), ValueError, "backend must be"),
         (lambda a: a.update(block_n=64), ValueError, "block_n must be"),
+        (lambda a: a.update(block_m=64), ValueError, "block_m must be"),
+        (lambda a: a.update(block_m=192, block_n=256), ValueError, "block_m=192 tiles are 128 wide"),
     ],
 )
 def test_validation_messages(mutate, exc, match):

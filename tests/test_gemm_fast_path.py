@@ -48,7 +48,7 @@ def test_m_grouped_accepted_input_goes_to_the_op_only(fake_op):
     out = gemm.m_grouped_fp8_gemm(**args, block_n=128)
     assert len(fake_op.calls) == 1 and out.shape == (200, 128) and out.dtype == torch.bfloat16
     call = fake_op.calls[0]
-    assert call[0] is args["a"] and call[4] is args["groups"] and call[5] is out and call[6] == 128
+    assert call[0] is args["a"] and call[4] is args["groups"] and call[5] is out and call[6] == 128 and call[7] == 0
     given = torch.empty(200, 128, dtype=torch.bfloat16)
     assert gemm.m_grouped_fp8_gemm(**args, out=given) is given and fake_op.calls[1][5] is given
 
@@ -60,7 +60,9 @@ def test_m_grouped_refused_input_gets_the_python_error(fake_op):
         gemm.m_grouped_fp8_gemm(**{**args, "a": args["a"].float()})
     with pytest.raises(ValueError, match="block_n must be"):
         gemm.m_grouped_fp8_gemm(**args, block_n=64)
-    assert len(fake_op.calls) == 2  # tried first each time
+    with pytest.raises(ValueError, match="block_m=192 tiles are 128 wide"):
+        gemm.m_grouped_fp8_gemm(**args, block_m=192, block_n=192)
+    assert len(fake_op.calls) == 3  # tried first each time
 
 
 def test_m_grouped_refused_but_valid_input_runs_the_full_path(fake_op):

@@ -52,6 +52,8 @@ M_BAD = [
     ("out misaligned", lambda a: a.update(out=_misaligned_bf16(200, 256)), ValueError, "out must start 16-byte aligned"),
     ("out strided", lambda a: a.update(out=torch.empty(200, 512, dtype=BF16, device=DEV)[:, ::2]), ValueError, "unit column stride"),
     ("block_n", lambda a: a.update(block_n=64), ValueError, "block_n must be"),
+    ("block_m", lambda a: a.update(block_m=64), ValueError, "block_m must be"),
+    ("block_m 192 wide", lambda a: a.update(block_m=192, block_n=256), ValueError, "block_m=192 tiles are 128 wide"),
 ]
 
 
@@ -60,13 +62,13 @@ def test_m_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate
     args = _m_args()
     mutate(args)
     out = args.pop("out", None)
-    block_n = args.pop("block_n", 0)
+    block_n, block_m = args.pop("block_n", 0), args.pop("block_m", 0)
     op_out = out if out is not None else torch.empty(200, 256, dtype=BF16, device=DEV)
     with pytest.raises(RuntimeError):  # the op alone refuses: the fast path cannot let it through
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(
-            args["a"], args["a_scales"], args["b"], args["b_scales"], args["groups"], op_out, block_n)
+            args["a"], args["a_scales"], args["b"], args["b_scales"], args["groups"], op_out, block_n, block_m)
     with pytest.raises(exc, match=match):  # and the wrapper still says what is wrong, in its own words
-        gemm.m_grouped_fp8_gemm(**args, out=out, block_n=block_n)
+        gemm.m_grouped_fp8_gemm(**args, out=out, block_n=block_n, block_m=block_m)
 
 
 def test_m_grouped_k_and_n_rules_on_gpu():

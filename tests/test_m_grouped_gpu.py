@@ -182,16 +182,19 @@ def test_op_rejects_bad_geometry():
 @pytest.mark.parametrize("m,n,k,g,dist", [(3000, 1408, 1024, 8, "paper"), (777, 768, 2048, 3, "with_empty"),
                                           (20000, 4096, 1024, 16, "skewed"), (129, 256, 128, 1, "one_group"),
                                           (1000, 784, 256, 4, "paper"), (5000, 7168, 512, 8, "skewed"),
-                                          (50, 6144, 128, 1, "one_group"), (4000, 3072, 384, 300, "with_empty")])
-def test_block_n_variants_agree_bit_for_bit(m, n, k, g, dist):
-    """128-, 192- (m64n192 wgmma, tiles straddling two weight-scale blocks, odd tiles starting mid-block) and
-    256-wide tiles (two 128-column halves) compute each element identically; the 192-wide ones write nothing
-    outside the valid rows (a partial last column tile, a half with no row, many groups)."""
+                                          (50, 6144, 128, 1, "one_group"), (4000, 3072, 384, 300, "with_empty"),
+                                          (130, 256, 128, 1, "one_group"), (3000, 768, 256, 2000, "with_empty")])
+def test_tile_shapes_agree_bit_for_bit(m, n, k, g, dist):
+    """Every tile shape computes each element identically: the default 192 x 128 (three math warpgroups, serial
+    promotion), and with block_m=128 the 128-wide two-fragment tiles, the 192-wide ones (m64n192 wgmma, tiles
+    straddling two weight-scale blocks, odd tiles starting mid-block) and the 256-wide ones (two 128-column
+    halves). The serial ones write nothing outside the valid rows (a partial last column tile, 64-row slices
+    with no row, many groups)."""
     out, _, args = _run(m, n, k, g, dist, seed=m * 3 + n)
-    assert torch.equal(m_grouped_fp8_gemm(*args, block_n=128), out)
-    assert torch.equal(m_grouped_fp8_gemm(*args, block_n=256), out)
-    assert torch.equal(m_grouped_fp8_gemm(*args, block_n=192), out)
-    buf = torch.full((m + 2, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    m_grouped_fp8_gemm(*args, out=buf[1:m + 1], block_n=192)
-    assert torch.equal(buf[1:m + 1], out)
-    assert buf[0].isnan().all() and buf[m + 1].isnan().all()
+    for block_m, block_n in ((192, 128), (128, 128), (128, 256), (128, 192), (0, 0)):
+        assert torch.equal(m_grouped_fp8_gemm(*args, block_m=block_m, block_n=block_n), out), (block_m, block_n)
+    for block_m, block_n in ((192, 128), (128, 192)):
+        buf = torch.full((m + 2, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+        m_grouped_fp8_gemm(*args, out=buf[1:m + 1], block_m=block_m, block_n=block_n)
+        assert torch.equal(buf[1:m + 1], out), (block_m, block_n)
+        assert buf[0].isnan().all() and buf[m + 1].isnan().all(), (block_m, block_n)

@@ -22,7 +22,8 @@ megatron_tma::GroupsArg groups_arg(const at::Tensor& groups, int64_t num_groups)
 }
 
 void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
-                            const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out, int64_t block_n) {
+                            const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out, int64_t block_n,
+                            int64_t block_m) {
   TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kFloat8_e4m3fn && a.dim() == 2 && a.is_contiguous(),
               "a must be a contiguous float8_e4m3fn [M, K] CUDA tensor");
   TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kFloat8_e4m3fn && b.dim() == 3 && b.is_contiguous(),
@@ -47,6 +48,8 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
   TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
   TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 192 || block_n == 256,
               "block_n must be 0 (auto), 128, 192 or 256, got ", block_n);
+  TORCH_CHECK(block_m == 0 || block_m == 128 || block_m == 192, "block_m must be 0 (auto), 128 or 192, got ", block_m);
+  TORCH_CHECK(block_m != 192 || block_n == 0 || block_n == 128, "block_m=192 tiles are 128 wide, got block_n=", block_n);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scales, &b, &b_scales, &groups, &out})
     TORCH_CHECK(t->device() == a.device(), "all tensors must be on one device (", a.device(), " and ", t->device(), ")");
   c10::cuda::CUDAGuard guard(a.device());
@@ -63,6 +66,7 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
   args.k = static_cast<int>(K);
   args.groups = groups_arg(groups, G);
   args.block_n = static_cast<int>(block_n);
+  args.block_m = static_cast<int>(block_m);
   const cudaError_t err = megatron_tma::m_grouped_fp8_gemm(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "m_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
 }
@@ -72,7 +76,7 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
   m.def(
       "m_grouped_fp8_gemm_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor groups, "
-      "Tensor(a!) out, int block_n=0) -> ()");
+      "Tensor(a!) out, int block_n=0, int block_m=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("m_grouped_fp8_gemm_out", &m_grouped_fp8_gemm_out); }

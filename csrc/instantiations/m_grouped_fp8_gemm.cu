@@ -8,6 +8,7 @@ namespace {
 
 using ConfigN128 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/5>;
 using ConfigN192 = MGroupedGemmConfig</*BLOCK_N=*/192, /*STAGES=*/4>;
+using ConfigM192 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/4, /*MATH_WG=*/3>;  // 192 x 128 tiles
 using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
 constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
 
@@ -19,16 +20,20 @@ template <class Config>
 cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream);
 
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
-  // 128-wide tiles keep two partial fragments in flight (promotion overlapped with the next K block's
-  // wgmma) and measured faster than 256-wide ones on every shape tried (benchmarks/NOTES.md), so they are
-  // the default; 192 and 256 stay selectable for comparison (same bits). A wider tile whose shared memory
-  // does not fit beside the group table (thousands of groups) falls back to 128.
-  const int block_n = args.block_n == 0 ? 128 : args.block_n;
+  // Default: 192 x 128 tiles on three math warpgroups (serial promotion hidden behind the other two warpgroups'
+  // wgmma). block_m = 128 selects the two-warpgroup kernels, whose tile width block_n picks: 128 (two partial
+  // fragments, promotion overlapped with the next K block), 192 (DeepGEMM's serial scheme) or 256 (two
+  // halves). Every shape gives the same bits. A tile whose shared memory does not fit beside the group table
+  // (thousands of groups) falls back to 128 x 128.
   const int G = args.groups.num_groups;
-  if (block_n == 192 && ConfigN192::smem_bytes(G) <= kMaxSmem) return launch<ConfigN192>(args, stream);
-  if (block_n == 256 && ConfigN256::smem_bytes(G) <= kMaxSmem) return launch<ConfigN256>(args, stream);
-  if (block_n == 128 || block_n == 192 || block_n == 256) return launch<ConfigN128>(args, stream);
-  return cudaErrorInvalidValue;
+  if (args.block_m != 0 && args.block_m != 128 && args.block_m != 192) return cudaErrorInvalidValue;
+  if (args.block_n != 0 && args.block_n != 128 && args.block_n != 192 && args.block_n != 256) return cudaErrorInvalidValue;
+  if (args.block_m == 192 && args.block_n != 0 && args.block_n != 128) return cudaErrorInvalidValue;
+  const bool m192 = args.block_m == 192 || (args.block_m == 0 && (args.block_n == 0 || args.block_n == 128));
+  if (m192 && ConfigM192::smem_bytes(G) <= kMaxSmem) return launch<ConfigM192>(args, stream);
+  if (args.block_n == 192 && ConfigN192::smem_bytes(G) <= kMaxSmem) return launch<ConfigN192>(args, stream);
+  if (args.block_n == 256 && ConfigN256::smem_bytes(G) <= kMaxSmem) return launch<ConfigN256>(args, stream);
+  return launch<ConfigN128>(args, stream);
 }
 
 template <class Config>

@@ -6,7 +6,9 @@
 // Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
 //
 // Structure: persistent grid; warpgroup 0 = one TMA producer thread (registers given away with
-// setmaxnreg), warpgroups 1-2 = math, each owning 64 rows of the 128-row tile. A STAGES-deep mbarrier
+// setmaxnreg), warpgroups 1..W = math, each owning 64 rows of the tile: W = 3 for the default 192 x 128 tiles
+// (serial promotion hidden behind the other warpgroups' wgmma), W = 2 for the 128-row ones (see the config's
+// note on the four tile shapes). A STAGES-deep mbarrier
 // ring of 128B-swizzled A/B tiles plus the tile's A scales. TMA needs the innermost start coordinate of a
 // box 16-byte aligned, and a group's first row is arbitrary, so the scales (M-contiguous FP32) are fetched
 // from the row rounded down to a multiple of 4 with 4 extra floats, and read at the remainder (the paper's
@@ -41,20 +43,22 @@ struct MGroupedGemmParams {
   int m_total, n, k;
 };
 
-template <int BLOCK_N_, int STAGES_>
+template <int BLOCK_N_, int STAGES_, int MATH_WG_ = 2>
 struct MGroupedGemmConfig {
-  static constexpr int BLOCK_M = 128, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
-  static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
-  static constexpr int kProducerRegs = 40, kMathRegs = 232;
+  // MATH_WG math warpgroups of 64 rows each: BLOCK_M = 128 (two) or 192 (three; BLOCK_N 128 only)
+  static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
+  static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
+  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 24 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
-  // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
+  // (the launch gives every thread 64K / kThreads rounded down to 8: 168, or 128 for 512 threads): a split over
+  // that budget hangs.
   static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K;  // e4m3
   static constexpr int B_BYTES = BLOCK_N * BLOCK_K;
   static constexpr int SA_BOX = BLOCK_M + 4;          // floats fetched per K block (aligned over-fetch)
   static constexpr int SA_BYTES = SA_BOX * 4;         // TMA transaction bytes
-  static constexpr int SA_SLOT = 640;                 // SA_BYTES rounded up to 128 B per stage
+  static constexpr int SA_SLOT = (SA_BYTES + 127) / 128 * 128;  // per stage, 128-byte aligned
   static constexpr int D_HALVES = BLOCK_N / 64;      // 128-byte column chunks of the BF16 tile
   static constexpr int D_BYTES = BLOCK_M * BLOCK_N * 2;
   // shared memory map (offsets from a 1024-aligned base)
@@ -67,7 +71,7 @@ struct MGroupedGemmConfig {
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 2048;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
-  // Three tile shapes, three ways of spending the 232 math registers (the same bits from each):
+  // Four tile shapes (the same bits from each). Three ways of spending two warpgroups' 232 math registers:
   // - 128: one m64n128 wgmma per k32 step and two 64-register partial fragments, so block kb+1 runs on the
   //   tensor cores while block kb is promoted (acc 64 + 2 x 64).
   // - 192: one m64n192 wgmma per k32 step into a single 96-register partial (acc 96 + 96), retired and
@@ -75,9 +79,15 @@ struct MGroupedGemmConfig {
   //   Fewer bytes per MAC (shared memory: 1/64 + 1/192 of wgmma operand reads, 1/128 + 1/192 of TMA writes).
   //   The tile straddles two 128-wide weight-scale blocks (promote_row_scaled_split).
   // - 256: two 128-column halves, each with its own B scale, sharing one 64-register partial (no overlap).
+  // And 192 x 128 with three math warpgroups at 160 registers (acc 64 + one 64-register partial each), promoted
+  // after each block: while one warpgroup promotes, the other two keep the tensor cores busy. It beat the
+  // two-fragment 128 x 128 pipeline by 3-9% in the ceiling study (benchmarks/ceiling, serial128x3) and reads
+  // fewer bytes per MAC (the B tile serves 192 rows).
   static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
   static constexpr int N_HALVES = BLOCK_N / N_INSTR;
+  static constexpr bool kSerial = BLOCK_N == 192 || kMathWarpgroups == 3;  // one partial, promoted per block
   static_assert(BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 256, "BLOCK_N is 128, 192 or 256");
+  static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && BLOCK_N == 128), "three warpgroups: 192 x 128");
 };
 
 template <class Cfg>
@@ -202,7 +212,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       two_fragment_pipeline(num_kb, p0, part2, step, last);
     };
 
-    // 192-wide tiles: one partial fragment, retired and promoted after each block. Columns [0, 8 * split_j) of
+    // The serial kernels (192 x 128 with three warpgroups, 128 x 192 with two): one partial fragment, retired
+    // and promoted after each block. 192-wide tiles: columns [0, 8 * split_j) of
     // the tile lie in weight-scale block b_lo, the rest in b_lo + 1 (clamped at the edge: columns past N are
     // never stored). No scale may be waited for between a block's wgmma issues (a warp issues in order, and
     // ptxas hoists the scale products up to the last issue): so every scale of block kb+1 is fetched while
@@ -218,9 +229,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       }
       const int n0 = tile.n_block * Cfg::BLOCK_N, b_lo = n0 / 128;
       const float* bs_lo = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b_lo) * num_kb;
-      const float* bs_hi = bs_lo + (b_lo + 1 < n_b128 ? num_kb : 0);
+      const float* bs_hi = bs_lo + (b_lo + 1 < n_b128 ? num_kb : 0);  // 192-wide tiles only
       const bool split16 = n0 % 128 == 0;  // else the tile starts mid-block: 64 columns in b_lo
-      float sb_lo = __ldg(bs_lo), sb_hi = __ldg(bs_hi), sa0, sa1;
+      constexpr bool kTwoScales = Cfg::BLOCK_N > 128;
+      float sb_lo = __ldg(bs_lo), sb_hi = kTwoScales ? __ldg(bs_hi) : 0.f, sa0, sa1;
       pipe.consumer_wait(st);
       row_scales(st, tile.row_start, sa0, sa1);
       for (int kb = 0; kb < num_kb; ++kb) {
@@ -229,14 +241,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         next.advance();
         float nsa0 = 0.f, nsa1 = 0.f, nsb_lo = 0.f, nsb_hi = 0.f;
         if (kb + 1 < num_kb) {
-          nsb_lo = __ldg(bs_lo + kb + 1), nsb_hi = __ldg(bs_hi + kb + 1);
+          nsb_lo = __ldg(bs_lo + kb + 1), nsb_hi = kTwoScales ? __ldg(bs_hi + kb + 1) : 0.f;
           pipe.consumer_wait(next);
           row_scales(next, tile.row_start, nsa0, nsa1);
         }
         wgmma_wait<0>();
         fence_regs(part);
         pipe.consumer_release(st, lane);
-        if (split16)
+        if constexpr (Cfg::BLOCK_N == 128)
+          promote_row_scaled(accum, part, sa0, sa1, sb_lo);
+        else if (split16)
           promote_row_scaled_split<16>(accum, part, sa0, sa1, sb_lo, sb_hi);
         else
           promote_row_scaled_split<8>(accum, part, sa0, sa1, sb_lo, sb_hi);
@@ -255,7 +269,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
 #pragma unroll
         for (int i = 0; i < Mma::kRegs; ++i) acc[h][i] = 0.f;
 
-      if constexpr (Cfg::BLOCK_N == 192) {
+      if constexpr (Cfg::kSerial) {
         mainloop_single(tile, active, acc[0]);
       } else if constexpr (H == 1) {
         mainloop_pipelined(tile, active, bs, acc[0], part);
