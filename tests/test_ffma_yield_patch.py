@@ -5,6 +5,8 @@ import importlib.util
 import os
 import struct
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("ffma_yield_patch", os.path.join(ROOT, "scripts", "ffma_yield_patch.py"))
 patcher = importlib.util.module_from_spec(_spec)
@@ -115,7 +117,6 @@ def test_reuse_chain_caches_operand_b_only_for_an_adjacent_ffma_reading_it_in_th
 
 
 def test_rejects_an_unknown_mode():
-    import pytest
     with pytest.raises(ValueError, match="mode must be one of"):
         patcher.patch(bytearray(b"x"), "k", "fast")
 

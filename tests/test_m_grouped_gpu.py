@@ -185,11 +185,11 @@ def test_op_rejects_bad_geometry():
                                           (50, 6144, 128, 1, "one_group"), (4000, 3072, 384, 300, "with_empty"),
                                           (130, 256, 128, 1, "one_group"), (3000, 768, 256, 2000, "with_empty")])
 def test_tile_shapes_agree_bit_for_bit(m, n, k, g, dist):
-    """Every tile shape computes each element identically: the default 192 x 128 (three math warpgroups, serial
-    promotion), and with block_m=128 the 128-wide two-fragment tiles, the 192-wide ones (m64n192 wgmma, tiles
-    straddling two weight-scale blocks, odd tiles starting mid-block) and the 256-wide ones (two 128-column
-    halves). The serial ones write nothing outside the valid rows (a partial last column tile, 64-row slices
-    with no row, many groups)."""
+    """Every tile shape computes each element identically: the default 128 x 128 (two-fragment pipeline), 192 x 128
+    (three math warpgroups, serial promotion), 128 x 192 (m64n192 wgmma, tiles straddling two weight-scale
+    blocks, odd tiles starting mid-block) and 128 x 256 (two 128-column halves). The serial ones write nothing
+    outside the valid rows (a partial last column tile, 64-row slices with no row, many groups; G=2000 makes
+    the wide tiles fall back to 128 x 128)."""
     out, _, args = _run(m, n, k, g, dist, seed=m * 3 + n)
     for block_m, block_n in ((192, 128), (128, 128), (128, 256), (128, 192), (0, 0)):
         assert torch.equal(m_grouped_fp8_gemm(*args, block_m=block_m, block_n=block_n), out), (block_m, block_n)

@@ -20,17 +20,16 @@ template <class Config>
 cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream);
 
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
-  // Default: 192 x 128 tiles on three math warpgroups (serial promotion hidden behind the other two warpgroups'
-  // wgmma). block_m = 128 selects the two-warpgroup kernels, whose tile width block_n picks: 128 (two partial
-  // fragments, promotion overlapped with the next K block), 192 (DeepGEMM's serial scheme) or 256 (two
-  // halves). Every shape gives the same bits. A tile whose shared memory does not fit beside the group table
-  // (thousands of groups) falls back to 128 x 128.
+  // Default: 128 x 128 tiles, two math warpgroups with two partial fragments each (promotion overlapped with the
+  // next K block). Selectable for comparison, same bits: block_n 192 (DeepGEMM's serial scheme) or 256 (two
+  // halves), and block_m 192 (192 x 128 on three math warpgroups, serial promotion: 3-9% ahead in the ceiling
+  // study, 7.5% behind on the production grid, benchmarks/NOTES.md). A tile whose shared memory does not fit
+  // beside the group table (thousands of groups) falls back to 128 x 128.
   const int G = args.groups.num_groups;
   if (args.block_m != 0 && args.block_m != 128 && args.block_m != 192) return cudaErrorInvalidValue;
   if (args.block_n != 0 && args.block_n != 128 && args.block_n != 192 && args.block_n != 256) return cudaErrorInvalidValue;
   if (args.block_m == 192 && args.block_n != 0 && args.block_n != 128) return cudaErrorInvalidValue;
-  const bool m192 = args.block_m == 192 || (args.block_m == 0 && (args.block_n == 0 || args.block_n == 128));
-  if (m192 && ConfigM192::smem_bytes(G) <= kMaxSmem) return launch<ConfigM192>(args, stream);
+  if (args.block_m == 192 && ConfigM192::smem_bytes(G) <= kMaxSmem) return launch<ConfigM192>(args, stream);
   if (args.block_n == 192 && ConfigN192::smem_bytes(G) <= kMaxSmem) return launch<ConfigN192>(args, stream);
   if (args.block_n == 256 && ConfigN256::smem_bytes(G) <= kMaxSmem) return launch<ConfigN256>(args, stream);
   return launch<ConfigN128>(args, stream);

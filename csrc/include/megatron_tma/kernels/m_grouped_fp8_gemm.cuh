@@ -6,9 +6,8 @@
 // Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
 //
 // Structure: persistent grid; warpgroup 0 = one TMA producer thread (registers given away with
-// setmaxnreg), warpgroups 1..W = math, each owning 64 rows of the tile: W = 3 for the default 192 x 128 tiles
-// (serial promotion hidden behind the other warpgroups' wgmma), W = 2 for the 128-row ones (see the config's
-// note on the four tile shapes). A STAGES-deep mbarrier
+// setmaxnreg), warpgroups 1..W = math, each owning 64 rows of the tile: W = 2 for the default 128-row tiles,
+// W = 3 for the selectable 192 x 128 ones (see the config's note on the four tile shapes). A STAGES-deep mbarrier
 // ring of 128B-swizzled A/B tiles plus the tile's A scales. TMA needs the innermost start coordinate of a
 // box 16-byte aligned, and a group's first row is arbitrary, so the scales (M-contiguous FP32) are fetched
 // from the row rounded down to a multiple of 4 with 4 extra floats, and read at the remainder (the paper's
@@ -82,7 +81,8 @@ struct MGroupedGemmConfig {
   // And 192 x 128 with three math warpgroups at 160 registers (acc 64 + one 64-register partial each), promoted
   // after each block: while one warpgroup promotes, the other two keep the tensor cores busy. It beat the
   // two-fragment 128 x 128 pipeline by 3-9% in the ceiling study (benchmarks/ceiling, serial128x3) and reads
-  // fewer bytes per MAC (the B tile serves 192 rows).
+  // fewer bytes per MAC (the B tile serves 192 rows), but measured 7.5% behind it on the production grid
+  // (partial 192-row tiles leave warpgroups idle; on full ones it still trails by ~5%: not yet understood).
   static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
   static constexpr int N_HALVES = BLOCK_N / N_INSTR;
   static constexpr bool kSerial = BLOCK_N == 192 || kMathWarpgroups == 3;  // one partial, promoted per block
