@@ -6,11 +6,13 @@
 // per-block FP32 promotion (DESIGN.md §3) costs:
 //   pipe128   the production scheme: 128x128, two partial fragments, block kb+1 issued before kb is promoted
 //   serial<N> DeepGEMM's scheme: 128xN, one partial fragment, wait_group 0 after each block, then promote
+//   x3        three math warpgroups (192-row tiles, 160 registers each), serial or none only
 //   none<N>   no promotion at all (the tensor cores accumulate across K, one group kept in flight): the shape's
 //             ceiling, what a tensorwise-scaled GEMM (cuBLAS) could reach with this pipeline
 //   -tma      the production epilogue: the BF16 tile through shared memory, one TMA store per 64 columns
 //   -nost     no stores at all (the most that hiding the epilogue could give); otherwise plain BF16 global stores
-//   prod-like pipe128-tma + the per-stage A-scale TMA (132 floats) and 2 LDS per block: the production kernel's choices
+//   prod-like pipe128-tma + the per-stage A-scale TMA (rows + 4 floats) and 2 LDS per block: the production kernel's choices
+//   prod-serial<..> the serial loops with those scales, fetched a block ahead as in the production kernel
 //   prod-like-la   prod-like with the stage's A scales read after the wgmma issue instead of before
 //   -fd       a stage's wgmma descriptors as stage 0's plus one add, not rebuilt from the address per block
 // Every variant that promotes gives pipe128's bits (all scales are 1); the tool prints the comparison.
@@ -75,7 +77,8 @@ struct Cfg {
   static constexpr int REG_PRODUCER = MW == 3 ? 24 : 40, REG_MATH = MW == 3 ? 160 : 232;
   static_assert(128 * REG_PRODUCER + 128 * MW * REG_MATH <= THREADS * ((65536 / THREADS) & ~7), "register pool");
   static constexpr int A_BYTES = BLOCK_M * 128, B_BYTES = BN * 128, STAGE = A_BYTES + B_BYTES;
-  static constexpr int SA_BYTES = 132 * 4, SA_SLOT = 640;  // the production kernel's A-scale box and slot
+  // the production kernel's A-scale box (the tile's rows + 4, aligned over-fetch) and its 128-byte slot
+  static constexpr int SA_BYTES = (BLOCK_M + 4) * 4, SA_SLOT = (SA_BYTES + 127) / 128 * 128;
   static constexpr int OFF_SA = STAGES * STAGE;
   // the 128B-swizzled staging tile of the TMA store needs a 1024-aligned base (the scale slots are 640 B each)
   static constexpr int OFF_D = (OFF_SA + (SA != kNoScales ? STAGES * SA_SLOT : 0) + 1023) / 1024 * 1024;
@@ -96,7 +99,8 @@ template <int BN, int STAGES, int MODE_FLAGS, int SA>
 __global__ void __launch_bounds__(Cfg<BN, STAGES, MODE_FLAGS, SA>::THREADS, 1) ceiling_kernel(const __grid_constant__ Params p) {
   constexpr int MODE = MODE_FLAGS & 3;  // the other bits are flags
   using C = Cfg<BN, STAGES, MODE_FLAGS, SA>;
-  static_assert(C::MW == 2 || (MODE != kPipe && SA == kNoScales), "three warpgroups: serial or none, no A scales");
+  static_assert(C::MW == 2 || MODE != kPipe, "three warpgroups: serial or none");
+  static_assert(MODE != kSerial || SA != kScalesAfterIssue, "serial with scales: kScales (read a block ahead)");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (mt::smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::OFF_BAR);
@@ -124,7 +128,8 @@ __global__ void __launch_bounds__(Cfg<BN, STAGES, MODE_FLAGS, SA>::THREADS, 1) c
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
           uint64_t* bar = pipe.producer_acquire(st, C::STAGE + (SA != kNoScales ? C::SA_BYTES : 0));
           mt::tma_load_2d(&p.a, bar, smem + st.stage * C::STAGE, kb * 128, mb * C::BLOCK_M);
-          if constexpr (SA != kNoScales) mt::tma_load_2d(&p.sa, bar, smem + C::OFF_SA + st.stage * C::SA_SLOT, mb * 128, kb);
+          if constexpr (SA != kNoScales)
+            mt::tma_load_2d(&p.sa, bar, smem + C::OFF_SA + st.stage * C::SA_SLOT, mb * C::BLOCK_M, kb);
           mt::tma_load_2d(&p.b, bar, smem + st.stage * C::STAGE + C::A_BYTES, kb * 128, nb * BN);
         }
       }
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(Cfg<BN, STAGES, MODE_FLAGS, SA>::THREADS, 1) c
       mt::fence_regs(acc);
       pipe.consumer_release(st, lane);
       st.advance();
-    } else if constexpr (MODE == kSerial) {
+    } else if constexpr (MODE == kSerial && SA == kNoScales) {
       float part[R];
       for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
         const float sb = __ldg(bs + kb);
@@ -195,6 +200,30 @@ __global__ void __launch_bounds__(Cfg<BN, STAGES, MODE_FLAGS, SA>::THREADS, 1) c
         mt::fence_regs(part);
         pipe.consumer_release(st, lane);
         mt::promote_row_scaled(acc, part, sa0, sa1, sb);
+      }
+    } else if constexpr (MODE == kSerial) {
+      // as the production kernel's serial loop: block kb+1's scales (B from global memory, A from its stage once
+      // it has landed) fetched while block kb runs, so no wgmma issue waits on a load
+      float part[R];
+      float sb = __ldg(bs);
+      pipe.consumer_wait(st);
+      stage_scales(st, sa0, sa1);
+      for (int kb = 0; kb < num_kb; ++kb) {
+        issue(part, st, false);
+        mt::PipelineState<STAGES> next = st;
+        next.advance();
+        float nsa0 = 0.f, nsa1 = 0.f, nsb = 0.f;
+        if (kb + 1 < num_kb) {
+          nsb = __ldg(bs + kb + 1);
+          pipe.consumer_wait(next);
+          stage_scales(next, nsa0, nsa1);
+        }
+        mt::wgmma_wait<0>();
+        mt::fence_regs(part);
+        pipe.consumer_release(st, lane);
+        mt::promote_row_scaled(acc, part, sa0, sa1, sb);
+        sa0 = nsa0, sa1 = nsa1, sb = nsb;
+        st = next;
       }
     } else {
       float part0[R], part1[R];
@@ -305,7 +334,7 @@ void add(std::vector<Variant>& vs, const char* name, void* a, void* b, const flo
   }
   {
     const uint64_t dims[2] = {(uint64_t)m, (uint64_t)(k / 128)}, strides[1] = {(uint64_t)m * 4};
-    const uint32_t box[2] = {132, 1};
+    const uint32_t box[2] = {(uint32_t)C::BLOCK_M + 4, 1};
     CHECK(mt::encode_tma(&p.sa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, sa, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE));
   }
   {
@@ -391,6 +420,9 @@ int main(int argc, char** argv) {
   add<192, 4, kNone | kTmaStore | kFastDesc>(vs, "none192-tma-fd", a, b, bs, sa, d, m, n, k);
   add<128, 4, kSerial | kTmaStore | kFastDesc | kMath3>(vs, "serial128x3-tma-fd", a, b, bs, sa, d, m, n, k);
   add<128, 4, kNone | kTmaStore | kFastDesc | kMath3>(vs, "none128x3-tma-fd", a, b, bs, sa, d, m, n, k);
+  // the production kernels' per-block scales (A: per-stage TMA + 2 LDS, B: LDG), fetched a block ahead
+  add<128, 4, kSerial | kTmaStore | kFastDesc | kMath3, kScales>(vs, "prod-serial128x3", a, b, bs, sa, d, m, n, k);
+  add<192, 4, kSerial | kTmaStore | kFastDesc, kScales>(vs, "prod-serial192", a, b, bs, sa, d, m, n, k);
   add<128, 5, kNone | kTmaStore>(vs, "none128-tma", a, b, bs, sa, d, m, n, k);
   add<256, 3, kNone | kTmaStore>(vs, "none256-tma", a, b, bs, sa, d, m, n, k);
   if (argc > 5 && std::string(argv[4]) == "--only") {  // one variant, launched twice (for ncu: --launch-skip 1)
