@@ -172,15 +172,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       sa0 = sa[r0];
       sa1 = sa[r0 + 8];
     };
+    // A warpgroup whose 64 rows hold no valid row only hands the tile's stages back.
+    auto release_tile = [&]() {
+      for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
+        pipe.consumer_wait(st);
+        pipe.consumer_release(st, lane);
+      }
+    };
     auto mainloop_pipelined = [&](const MTile& tile, bool active, const float* bs, float(&accum)[Mma::kRegs],
                                   float(&p0)[Mma::kRegs]) {
-      if (!active) {
-        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          pipe.consumer_wait(st);
-          pipe.consumer_release(st, lane);
-        }
-        return;
-      }
+      if (!active) return release_tile();
       float sa0, sa1, sb = __ldg(bs);
       pipe.consumer_wait(st);
       row_scales(st, tile.row_start, sa0, sa1);
@@ -220,13 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // block kb runs, the B scales from global memory and the A scales from stage kb+1 once it has landed.
     // (Fetched at the top of the block instead, each block's last wgmma waited on a global load: -14%.)
     auto mainloop_single = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs]) {
-      if (!active) {
-        for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          pipe.consumer_wait(st);
-          pipe.consumer_release(st, lane);
-        }
-        return;
-      }
+      if (!active) return release_tile();
       const int n0 = tile.n_block * Cfg::BLOCK_N, b_lo = n0 / 128;
       const float* bs_lo = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b_lo) * num_kb;
       const float* bs_hi = bs_lo + (b_lo + 1 < n_b128 ? num_kb : 0);  // 192-wide tiles only
