@@ -1,4 +1,4 @@
-"""Outputs of the M-grouped GEMM (both tile widths) on fixed inputs, saved by one build and compared bit for bit
+"""Outputs of the M-grouped GEMM (every tile shape) on fixed inputs, saved by one build and compared bit for bit
 by another: the check that a post-build change to the extension (a SASS hint patch, another ptxas flag) left the
 numerics alone. The GPU tests cannot tell: their oracle, the padded path, runs the same patched kernel.
 
@@ -18,6 +18,7 @@ from megatron_tma.gemm import m_grouped_fp8_gemm
 
 # (group sizes, N, K): unaligned groups, an empty one, a partial last tile, both tile widths' N rules
 CASES = [([1000, 0, 129, 3000, 77], 4096, 2048), ([4096, 4096], 2048, 7168), ([513] * 8, 768, 1024)]
+TILES = [(128, 128), (128, 192), (128, 256), (192, 128)]  # every kernel the extension builds (block_m, block_n)
 
 
 def outputs():
@@ -30,9 +31,8 @@ def outputs():
         w = (torch.randn(g, n, k, device="cuda", generator=gen) * 0.05).bfloat16()
         aq, a_s = R.quantize_1x128(x)
         wq, ws, _, _ = R.quantize_128x128(w)
-        for bn in (128, 256):
-            if n % bn == 0:
-                outs[f"case{i}_bn{bn}"] = m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, block_n=bn).cpu()
+        for bm, bn in TILES:
+            outs[f"case{i}_bm{bm}_bn{bn}"] = m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, block_m=bm, block_n=bn).cpu()
     return outs
 
 

@@ -21,6 +21,22 @@ __device__ __forceinline__ uint64_t make_kmajor_sw128_desc(const void* smem) {
 // Advance a descriptor by `bytes` along K inside the swizzle row (bytes a multiple of 16).
 __device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
+// The same descriptor kept as its low word: the high word (stride byte offset, SWIZZLE_128B) is a constant of
+// the layout, so moving a descriptor (stage, k32 step) is a 32-bit add on the start address. As a 64-bit value
+// the compiler cannot know the add never carries into the high word: it did every move as a 64-bit add in
+// per-thread registers and copied both words to uniform registers for each wgmma (~40 instructions per K
+// block of the M-grouped kernel, against ~10 this way). Shared memory is below 256 KB, so the 14-bit start
+// field never overflows.
+struct KmajorSw128Desc {
+  static constexpr uint32_t kHi = (1024u >> 4) | (1u << 30);  // bits 32-45 and 62-63 of the descriptor
+  uint32_t lo;                                                 // start address in 16-byte units
+  __device__ __forceinline__ static KmajorSw128Desc at(const void* smem) {
+    return {(static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & 0x3FFFFu) >> 4};
+  }
+  __device__ __forceinline__ KmajorSw128Desc plus_bytes(uint32_t bytes) const { return {lo + (bytes >> 4)}; }
+  __device__ __forceinline__ uint64_t value() const { return (static_cast<uint64_t>(kHi) << 32) | lo; }
+};
+
 // The cute op of one m64nNk32 e4m3 x e4m3 -> f32 wgmma with both operands in shared memory.
 template <int N>
 struct WgmmaFp8Op;

@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
   const int num_kb = p.k / Cfg::BLOCK_K;
   MGroupedScheduler<Cfg::BLOCK_M> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0: the compiler then knows the warpgroup index (and all derived from it: the stage
+  // descriptors) is warp-uniform and keeps it in uniform registers, which is where wgmma reads descriptors.
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (warpgroup == 0) {
     // ---------------------------------------------------------------- producer
@@ -155,15 +157,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // A stage's descriptors are stage 0's plus stage * bytes / 16 in the 14-bit start-address field (shared
     // memory is below 256 KB: no carry out of it). Rebuilding them from the address every block cost ~5%
     // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd).
-    const uint64_t da0 = make_kmajor_sw128_desc(smem + Cfg::OFF_A + mwg * 64 * 128);
-    const uint64_t db0 = make_kmajor_sw128_desc(smem + Cfg::OFF_B);
+    const KmajorSw128Desc da0 = KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128);
+    const KmajorSw128Desc db0 = KmajorSw128Desc::at(smem + Cfg::OFF_B);
     auto issue = [&](float(&frag)[Mma::kRegs], const PipelineState<Cfg::STAGES>& at) {
-      const uint64_t da = da0 + static_cast<uint64_t>(at.stage * (Cfg::A_BYTES >> 4));
-      const uint64_t db = db0 + static_cast<uint64_t>(at.stage * (Cfg::B_BYTES >> 4));
+      const KmajorSw128Desc da = da0.plus_bytes(at.stage * Cfg::A_BYTES), db = db0.plus_bytes(at.stage * Cfg::B_BYTES);
       fence_regs(frag);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), frag, k > 0);
+      for (int k = 0; k < 4; ++k) Mma::mma(da.plus_bytes(32 * k).value(), db.plus_bytes(32 * k).value(), frag, k > 0);
       wgmma_commit();
     };
     auto row_scales = [&](const PipelineState<Cfg::STAGES>& at, int row_start, float& sa0, float& sa1) {
