@@ -73,8 +73,9 @@ def m_grouped_fp8_gemm(
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
     block_m, block_n: the output tile, for tuning and comparison only (every tile gives the same bits; only the
-    speed differs). Default (0, 0): 128 x 128 on two math warpgroups with the promotion overlapped; block_n 192
-    or 256 give wider two-warpgroup tiles, block_m=192 (with block_n 0 or 128) 192 x 128 on three warpgroups.
+    speed differs). Default (0, 0): 192 x 128 on three math warpgroups when the average group is large
+    (M >= 2048 G, and two waves of such tiles), else 128 x 128 on two with the promotion overlapped; block_m=192
+    (with block_n 0 or 128) and block_m=128 force one of them; block_n 192 or 256 give wider two-warpgroup tiles.
     """
     op = _ext.fast_op("m_grouped_fp8_gemm_out", backend, a) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None:  # the op checks every rule below; on a refusal, fall through for the clear error

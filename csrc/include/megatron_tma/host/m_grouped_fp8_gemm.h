@@ -15,9 +15,9 @@ struct MGroupedGemmArgs {
   int d_ld;
   int m_total, n, k;
   GroupsArg groups;       // device sizes [G] or offsets [G+1]
-  int block_m;            // tile height: 0 = default (128: two math warpgroups, any block_n) or 192 (three
-                          // math warpgroups, block_n 0 or 128)
-  int block_n;            // tile width: 0 = default (128), 128, 192 or 256 (the last two with block_m 128)
+  int block_m;            // tile height: 128 (two math warpgroups, any block_n), 192 (three math warpgroups,
+                          // block_n 0 or 128), or 0 with block_n 0: chosen from m_total and G
+  int block_n;            // tile width: 0 (128), 128, 192 or 256 (the last two with block_m 128)
 };
 
 // Validates geometry it can see (returns cudaErrorInvalidValue with nothing launched) and launches on `stream`.
