@@ -79,10 +79,10 @@ struct MGroupedGemmConfig {
   //   The tile straddles two 128-wide weight-scale blocks (promote_row_scaled_split).
   // - 256: two 128-column halves, each with its own B scale, sharing one 64-register partial (no overlap).
   // And 192 x 128 with three math warpgroups at 160 registers (acc 64 + one 64-register partial each), promoted
-  // after each block: while one warpgroup promotes, the other two keep the tensor cores busy. It beat the
-  // two-fragment 128 x 128 pipeline by 3-9% in the ceiling study (benchmarks/ceiling, serial128x3) and reads
-  // fewer bytes per MAC (the B tile serves 192 rows), but measured 7.5% behind it on the production grid
-  // (partial 192-row tiles leave warpgroups idle; on full ones it still trails by ~5%: not yet understood).
+  // after each block: while one warpgroup promotes, the other two keep the tensor cores busy, and the B tile
+  // serves 192 rows. 4-10% ahead of the two-fragment 128 x 128 pipeline where groups are large; behind it where
+  // a group's last 192-row tile leaves one or two warpgroups idle (a lone warpgroup cannot hide its promotion).
+  // The host picks between the two from M_total / G (instantiations/m_grouped_fp8_gemm.cu).
   static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
   static constexpr int N_HALVES = BLOCK_N / N_INSTR;
   static constexpr bool kSerial = BLOCK_N == 192 || kMathWarpgroups == 3;  // one partial, promoted per block
