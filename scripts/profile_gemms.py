@@ -1,7 +1,7 @@
 """Run each grouped GEMM a few times on one shape, for `ncu` to profile (see benchmarks/NOTES.md for the command
 and what its sections showed). Default: G=8, M=16384, N=K=4096, paper sizes, wgrad accumulating into FP32.
 
-    python scripts/profile_gemms.py [--G 32 --M 8192 --N 4096 --K 7168] [--wgrad-out bf16]
+    python scripts/profile_gemms.py [--G 32 --M 8192 --N 4096 --K 7168] [--wgrad-out bf16|none] [--block-m 192]
 """
 import argparse
 
@@ -16,8 +16,9 @@ ap.add_argument("--G", type=int, default=8)
 ap.add_argument("--M", type=int, default=16384)
 ap.add_argument("--N", type=int, default=4096)
 ap.add_argument("--K", type=int, default=4096)
-ap.add_argument("--wgrad-out", choices=("fp32+=", "bf16"), default="fp32+=",
-                help="k-grouped output: accumulate into an FP32 main_grad, or write BF16")
+ap.add_argument("--wgrad-out", choices=("fp32+=", "bf16", "none"), default="fp32+=",
+                help="k-grouped output: accumulate into an FP32 main_grad, write BF16, or skip the k-grouped GEMM")
+ap.add_argument("--block-m", type=int, default=0, help="m-grouped tile height (0: the default's choice, 128, 192)")
 args = ap.parse_args()
 G, M, N, K = args.G, args.M, args.N, args.K
 dev = "cuda"
@@ -31,7 +32,9 @@ xt, xs = quant.quantize_grouped_128x1(x, groups)
 dyt, dys = quant.quantize_grouped_128x1(dy, groups)
 main_grad = torch.zeros(G, N, K, device=dev)
 for _ in range(3):
-    m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)
+    m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, block_m=args.block_m)
+    if args.wgrad_out == "none":
+        continue
     if args.wgrad_out == "bf16":
         k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=torch.bfloat16)
     else:
