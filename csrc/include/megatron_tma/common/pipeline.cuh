@@ -32,7 +32,15 @@ struct Pipeline {
   }
   // Producer: wait for a free slot, announce the bytes its TMA loads will deliver.
   __device__ __forceinline__ uint64_t* producer_acquire(const PipelineState<STAGES>& st, uint32_t tx_bytes) const {
+    producer_wait(st);
+    return producer_arrive(st, tx_bytes);
+  }
+  // The same in two steps, for a producer that also writes the slot with plain stores in between: the arrival
+  // releases them to the consumers, whose wait acquires them.
+  __device__ __forceinline__ void producer_wait(const PipelineState<STAGES>& st) const {
     mbar_wait(&empty[st.stage], st.phase ^ 1);  // a fresh barrier's "previous" phase counts as complete
+  }
+  __device__ __forceinline__ uint64_t* producer_arrive(const PipelineState<STAGES>& st, uint32_t tx_bytes) const {
     mbar_arrive_expect_tx(&full[st.stage], tx_bytes);
     return &full[st.stage];
   }

@@ -34,6 +34,7 @@ struct KmajorSw128Desc {
     return {(static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & 0x3FFFFu) >> 4};
   }
   __device__ __forceinline__ KmajorSw128Desc plus_bytes(uint32_t bytes) const { return {lo + (bytes >> 4)}; }
+  __device__ __forceinline__ KmajorSw128Desc plus_units(uint32_t units16) const { return {lo + units16}; }
   __device__ __forceinline__ uint64_t value() const { return (static_cast<uint64_t>(kHi) << 32) | lo; }
 };
 

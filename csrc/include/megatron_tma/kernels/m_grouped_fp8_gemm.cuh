@@ -47,7 +47,7 @@ struct MGroupedGemmConfig {
   // MATH_WG math warpgroups of 64 rows each: BLOCK_M = 128 (two) or 192 (three; BLOCK_N 128 only)
   static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
-  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 24 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
+  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 32 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168, or 128 for 512 threads): a split over
   // that budget hangs.
@@ -57,7 +57,9 @@ struct MGroupedGemmConfig {
   static constexpr int B_BYTES = BLOCK_N * BLOCK_K;
   static constexpr int SA_BOX = BLOCK_M + 4;          // floats fetched per K block (aligned over-fetch)
   static constexpr int SA_BYTES = SA_BOX * 4;         // TMA transaction bytes
-  static constexpr int SA_SLOT = (SA_BYTES + 127) / 128 * 128;  // per stage, 128-byte aligned
+  // The stage's weight scales follow the A scales in the slot: one per 128-column weight block the tile touches.
+  static constexpr int kBScales = BLOCK_N > 128 ? 2 : 1, SB_OFF = SA_BYTES;
+  static constexpr int SA_SLOT = (SA_BYTES + 4 * kBScales + 127) / 128 * 128;  // per stage, 128-byte aligned
   static constexpr int D_HALVES = BLOCK_N / 64;      // 128-byte column chunks of the BF16 tile
   static constexpr int D_BYTES = BLOCK_M * BLOCK_N * 2;
   // shared memory map (offsets from a 1024-aligned base)
@@ -127,16 +129,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
+      // Each stage carries its weight scales: fetched from global memory one stage ahead (across tiles too) and
+      // stored into the stage's scale slot before the arrival that publishes the stage, so the math warps read
+      // them from shared memory with the A scales. Loaded by the math warps instead, the load sat on their
+      // critical path (ncu, 192 x 128: 3.4% of all stall samples on moving it to a uniform register).
+      const int n_b128 = (p.n + 127) / 128;
+      struct Scales {  // where a tile's weight scales start, and the step to its second 128-column block
+        const float* at;
+        int hi;
+      };
+      auto scales_of = [&](const MTile& tile) {
+        const int b = tile.n_block * Cfg::BLOCK_N / 128;  // first weight block under the tile
+        return Scales{p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b) * num_kb,
+                      b + 1 < n_b128 ? num_kb : 0};  // a 192/256-wide tile at the edge: clamp (never promoted)
+      };
       PipelineState<Cfg::STAGES> st;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const MTile tile = sched.get(t);
+      int t = blockIdx.x;
+      MTile tile = t < num_tiles ? sched.get(t) : MTile{};
+      Scales sc = scales_of(tile);
+      float sb0 = t < num_tiles ? __ldg(sc.at) : 0.f, sb1 = Cfg::kBScales == 2 && t < num_tiles ? __ldg(sc.at + sc.hi) : 0.f;
+      for (; t < num_tiles; t += gridDim.x) {
+        MTile next = tile;
+        Scales next_sc = sc;
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          uint64_t* bar = pipe.producer_acquire(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
+          float nsb0 = 0.f, nsb1 = 0.f;
+          if (kb + 1 < num_kb) {
+            nsb0 = __ldg(sc.at + kb + 1);
+            if (Cfg::kBScales == 2) nsb1 = __ldg(sc.at + sc.hi + kb + 1);
+          } else if (t + static_cast<int>(gridDim.x) < num_tiles) {
+            next = sched.get(t + gridDim.x);
+            next_sc = scales_of(next);
+            nsb0 = __ldg(next_sc.at);
+            if (Cfg::kBScales == 2) nsb1 = __ldg(next_sc.at + next_sc.hi);
+          }
+          pipe.producer_wait(st);
+          uint8_t* slot = smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT;
+          reinterpret_cast<float*>(slot + Cfg::SB_OFF)[0] = sb0;
+          if (Cfg::kBScales == 2) reinterpret_cast<float*>(slot + Cfg::SB_OFF)[1] = sb1;
+          uint64_t* bar = pipe.producer_arrive(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
           tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
           tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
                       tile.n_block * Cfg::BLOCK_N, tile.group);
-          tma_load_2d(&p.a_scales, bar, smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT, tile.row_start & ~3, kb);
+          tma_load_2d(&p.a_scales, bar, slot, tile.row_start & ~3, kb);
+          sb0 = nsb0, sb1 = nsb1;
         }
+        tile = next, sc = next_sc;
       }
     }
   } else {
@@ -145,7 +182,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     const int mwg = warpgroup - 1;  // rows [64*mwg, 64*mwg + 64) of the tile
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int r0 = 16 * warp + lane / 4;  // this thread's fragment rows: r0 and r0 + 8 (within the half)
-    const int n_b128 = (p.n + 127) / 128;
     using Mma = WgmmaFp8<Cfg::N_INSTR>;
     constexpr int H = Cfg::N_HALVES;
     float acc[H][Mma::kRegs], part[Mma::kRegs];
@@ -157,21 +193,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // A stage's descriptors are stage 0's plus stage * bytes / 16 in the 14-bit start-address field (shared
     // memory is below 256 KB: no carry out of it). Rebuilding them from the address every block cost ~5%
     // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd).
-    const KmajorSw128Desc da0 = KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128);
-    const KmajorSw128Desc db0 = KmajorSw128Desc::at(smem + Cfg::OFF_B);
+    const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
+    const KmajorSw128Desc db0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_B).lo, 0)};
     auto issue = [&](float(&frag)[Mma::kRegs], const PipelineState<Cfg::STAGES>& at) {
-      const KmajorSw128Desc da = da0.plus_bytes(at.stage * Cfg::A_BYTES), db = db0.plus_bytes(at.stage * Cfg::B_BYTES);
+      const KmajorSw128Desc da = da0.plus_units(at.stage * (Cfg::A_BYTES >> 4));
+      const KmajorSw128Desc db = db0.plus_units(at.stage * (Cfg::B_BYTES >> 4));
       fence_regs(frag);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k) Mma::mma(da.plus_bytes(32 * k).value(), db.plus_bytes(32 * k).value(), frag, k > 0);
       wgmma_commit();
     };
-    auto row_scales = [&](const PipelineState<Cfg::STAGES>& at, int row_start, float& sa0, float& sa1) {
-      const float* sa =
-          reinterpret_cast<const float*>(smem + Cfg::OFF_SA + at.stage * Cfg::SA_SLOT) + (row_start & 3) + 64 * mwg;
+    // A stage's scales, from its slot: this thread's two rows' A scales and the weight scale(s).
+    auto stage_scales = [&](const PipelineState<Cfg::STAGES>& at, int row_start, float& sa0, float& sa1,
+                            float (&sb)[Cfg::kBScales]) {
+      const uint8_t* slot = smem + Cfg::OFF_SA + at.stage * Cfg::SA_SLOT;
+      const float* sa = reinterpret_cast<const float*>(slot) + (row_start & 3) + 64 * mwg;
       sa0 = sa[r0];
       sa1 = sa[r0 + 8];
+#pragma unroll
+      for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = reinterpret_cast<const float*>(slot + Cfg::SB_OFF)[j];
     };
     // A warpgroup whose 64 rows hold no valid row only hands the tile's stages back.
     auto release_tile = [&]() {
@@ -180,35 +221,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         pipe.consumer_release(st, lane);
       }
     };
-    auto mainloop_pipelined = [&](const MTile& tile, bool active, const float* bs, float(&accum)[Mma::kRegs],
-                                  float(&p0)[Mma::kRegs]) {
+    auto mainloop_pipelined = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs], float(&p0)[Mma::kRegs]) {
       if (!active) return release_tile();
-      float sa0, sa1, sb = __ldg(bs);
+      float sa0, sa1, sb[Cfg::kBScales];
       pipe.consumer_wait(st);
-      row_scales(st, tile.row_start, sa0, sa1);
+      stage_scales(st, tile.row_start, sa0, sa1, sb);
       issue(p0, st);
       // One step: launch block kb+1 into `nxt`, then retire block kb from `cur`. The wgmma issue sits in
       // straight-line code (no branch around it) so that ptxas keeps the two groups in flight.
       auto step = [&](int kb, float(&cur)[Mma::kRegs], float(&nxt)[Mma::kRegs]) {
         PipelineState<Cfg::STAGES> next = st;
         next.advance();
-        const float nsb = __ldg(bs + kb + 1);
-        float nsa0, nsa1;
+        float nsa0, nsa1, nsb[Cfg::kBScales];
         pipe.consumer_wait(next);
         issue(nxt, next);
-        row_scales(next, tile.row_start, nsa0, nsa1);  // after the issue: its fence need not wait for them
+        stage_scales(next, tile.row_start, nsa0, nsa1, nsb);  // after the issue: its fence need not wait for them
         wgmma_wait<1>();  // block kb's group is complete; kb+1's may still run
         fence_regs(cur);
         pipe.consumer_release(st, lane);
-        promote_row_scaled(accum, cur, sa0, sa1, sb);
-        sa0 = nsa0, sa1 = nsa1, sb = nsb;
+        promote_row_scaled(accum, cur, sa0, sa1, sb[0]);
+        sa0 = nsa0, sa1 = nsa1, sb[0] = nsb[0];
         st.advance();
       };
       auto last = [&](float(&cur)[Mma::kRegs]) {
         wgmma_wait<0>();
         fence_regs(cur);
         pipe.consumer_release(st, lane);
-        promote_row_scaled(accum, cur, sa0, sa1, sb);
+        promote_row_scaled(accum, cur, sa0, sa1, sb[0]);
         st.advance();
       };
       two_fragment_pipeline(num_kb, p0, part2, step, last);
@@ -218,39 +257,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // and promoted after each block. 192-wide tiles: columns [0, 8 * split_j) of
     // the tile lie in weight-scale block b_lo, the rest in b_lo + 1 (clamped at the edge: columns past N are
     // never stored). No scale may be waited for between a block's wgmma issues (a warp issues in order, and
-    // ptxas hoists the scale products up to the last issue): so every scale of block kb+1 is fetched while
-    // block kb runs, the B scales from global memory and the A scales from stage kb+1 once it has landed.
-    // (Fetched at the top of the block instead, each block's last wgmma waited on a global load: -14%.)
+    // ptxas hoists the scale products up to the last issue): so the scales of block kb+1 are read from its stage
+    // while block kb runs, once that stage has landed. (Fetched at the top of the block instead, each block's
+    // last wgmma waited on a global load: -14%.)
     auto mainloop_single = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs]) {
       if (!active) return release_tile();
-      const int n0 = tile.n_block * Cfg::BLOCK_N, b_lo = n0 / 128;
-      const float* bs_lo = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b_lo) * num_kb;
-      const float* bs_hi = bs_lo + (b_lo + 1 < n_b128 ? num_kb : 0);  // 192-wide tiles only
-      const bool split16 = n0 % 128 == 0;  // else the tile starts mid-block: 64 columns in b_lo
-      constexpr bool kTwoScales = Cfg::BLOCK_N > 128;
-      float sb_lo = __ldg(bs_lo), sb_hi = kTwoScales ? __ldg(bs_hi) : 0.f, sa0, sa1;
+      const bool split16 = tile.n_block * Cfg::BLOCK_N % 128 == 0;  // else the tile starts mid-block: 64 columns
+      float sa0, sa1, sb[Cfg::kBScales];
       pipe.consumer_wait(st);
-      row_scales(st, tile.row_start, sa0, sa1);
+      stage_scales(st, tile.row_start, sa0, sa1, sb);
       for (int kb = 0; kb < num_kb; ++kb) {
         issue(part, st);
         PipelineState<Cfg::STAGES> next = st;
         next.advance();
-        float nsa0 = 0.f, nsa1 = 0.f, nsb_lo = 0.f, nsb_hi = 0.f;
+        float nsa0 = 0.f, nsa1 = 0.f, nsb[Cfg::kBScales] = {};
         if (kb + 1 < num_kb) {
-          nsb_lo = __ldg(bs_lo + kb + 1), nsb_hi = kTwoScales ? __ldg(bs_hi + kb + 1) : 0.f;
           pipe.consumer_wait(next);
-          row_scales(next, tile.row_start, nsa0, nsa1);
+          stage_scales(next, tile.row_start, nsa0, nsa1, nsb);
         }
         wgmma_wait<0>();
         fence_regs(part);
         pipe.consumer_release(st, lane);
         if constexpr (Cfg::BLOCK_N == 128)
-          promote_row_scaled(accum, part, sa0, sa1, sb_lo);
+          promote_row_scaled(accum, part, sa0, sa1, sb[0]);
         else if (split16)
-          promote_row_scaled_split<16>(accum, part, sa0, sa1, sb_lo, sb_hi);
+          promote_row_scaled_split<16>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
         else
-          promote_row_scaled_split<8>(accum, part, sa0, sa1, sb_lo, sb_hi);
-        sa0 = nsa0, sa1 = nsa1, sb_lo = nsb_lo, sb_hi = nsb_hi;
+          promote_row_scaled_split<8>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
+        sa0 = nsa0, sa1 = nsa1;
+#pragma unroll
+        for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = nsb[j];
         st = next;
       }
     };
@@ -258,8 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = sched.get(t);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
-      const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + tile.n_block * H) * num_kb;
-      const int halves = min(H, n_b128 - tile.n_block * H);  // a last tile may cover one 128-column block
+      const int halves = min(H, (p.n + 127) / 128 - tile.n_block * H);  // a last tile may cover one 128-column block
 #pragma unroll
       for (int h = 0; h < H; ++h)
 #pragma unroll
@@ -268,18 +303,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       if constexpr (Cfg::kSerial) {
         mainloop_single(tile, active, acc[0]);
       } else if constexpr (H == 1) {
-        mainloop_pipelined(tile, active, bs, acc[0], part);
+        mainloop_pipelined(tile, active, acc[0], part);
       } else {
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          float sb[H];
-#pragma unroll
-          for (int h = 0; h < H; ++h)  // global loads issued before the wait: off the critical path
-            sb[h] = active && h < halves ? __ldg(bs + h * num_kb + kb) : 0.f;
           pipe.consumer_wait(st);
           if (active) {
-            const float* sa = reinterpret_cast<const float*>(smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT) +
-                              (tile.row_start & 3) + 64 * mwg;
-            const float sa0 = sa[r0], sa1 = sa[r0 + 8];
+            float sa0, sa1, sb[Cfg::kBScales];
+            stage_scales(st, tile.row_start, sa0, sa1, sb);
             const uint64_t da = make_kmajor_sw128_desc(smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES + mwg * 64 * 128);
 #pragma unroll
             for (int h = 0; h < H; ++h) {
