@@ -47,7 +47,7 @@ struct MGroupedGemmConfig {
   // MATH_WG math warpgroups of 64 rows each: BLOCK_M = 128 (two) or 192 (three; BLOCK_N 128 only)
   static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
-  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 32 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
+  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 24 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168, or 128 for 512 threads): a split over
   // that budget hangs.
@@ -129,51 +129,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // Each stage carries its weight scales: fetched from global memory one stage ahead (across tiles too) and
-      // stored into the stage's scale slot before the arrival that publishes the stage, so the math warps read
-      // them from shared memory with the A scales. Loaded by the math warps instead, the load sat on their
-      // critical path (ncu, 192 x 128: 3.4% of all stall samples on moving it to a uniform register).
+      // Each stage carries its weight scales: cp.async copies them into the stage's scale slot, and the stage's
+      // barrier waits for those copies too, so the math warps read them from shared memory with the A scales.
+      // Loaded by the math warps, the global load sat on their critical path (ncu, 192 x 128: 3.4% of all
+      // stall samples on moving it to a uniform register); loaded into the producer's registers, its latency
+      // delayed the next stage's TMA issue (-3.6% on the 128 x 128 kernel, whose ring runs nearly empty).
       const int n_b128 = (p.n + 127) / 128;
-      struct Scales {  // where a tile's weight scales start, and the step to its second 128-column block
-        const float* at;
-        int hi;
-      };
-      auto scales_of = [&](const MTile& tile) {
-        const int b = tile.n_block * Cfg::BLOCK_N / 128;  // first weight block under the tile
-        return Scales{p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b) * num_kb,
-                      b + 1 < n_b128 ? num_kb : 0};  // a 192/256-wide tile at the edge: clamp (never promoted)
-      };
       PipelineState<Cfg::STAGES> st;
-      int t = blockIdx.x;
-      MTile tile = t < num_tiles ? sched.get(t) : MTile{};
-      Scales sc = scales_of(tile);
-      float sb0 = t < num_tiles ? __ldg(sc.at) : 0.f, sb1 = Cfg::kBScales == 2 && t < num_tiles ? __ldg(sc.at + sc.hi) : 0.f;
-      for (; t < num_tiles; t += gridDim.x) {
-        MTile next = tile;
-        Scales next_sc = sc;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const MTile tile = sched.get(t);
+        const int b = tile.n_block * Cfg::BLOCK_N / 128;  // first 128-column weight block under the tile
+        const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b) * num_kb;
+        const int hi = b + 1 < n_b128 ? num_kb : 0;  // a 192/256-wide tile at the edge: clamped (never promoted)
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
-          float nsb0 = 0.f, nsb1 = 0.f;
-          if (kb + 1 < num_kb) {
-            nsb0 = __ldg(sc.at + kb + 1);
-            if (Cfg::kBScales == 2) nsb1 = __ldg(sc.at + sc.hi + kb + 1);
-          } else if (t + static_cast<int>(gridDim.x) < num_tiles) {
-            next = sched.get(t + gridDim.x);
-            next_sc = scales_of(next);
-            nsb0 = __ldg(next_sc.at);
-            if (Cfg::kBScales == 2) nsb1 = __ldg(next_sc.at + next_sc.hi);
-          }
           pipe.producer_wait(st);
           uint8_t* slot = smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT;
-          reinterpret_cast<float*>(slot + Cfg::SB_OFF)[0] = sb0;
-          if (Cfg::kBScales == 2) reinterpret_cast<float*>(slot + Cfg::SB_OFF)[1] = sb1;
+          cp_async_4(slot + Cfg::SB_OFF, bs + kb);
+          if (Cfg::kBScales == 2) cp_async_4(slot + Cfg::SB_OFF + 4, bs + hi + kb);
+          mbar_arrive_on_cp_async(&full_bar[st.stage]);
           uint64_t* bar = pipe.producer_arrive(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
           tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
           tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
                       tile.n_block * Cfg::BLOCK_N, tile.group);
           tma_load_2d(&p.a_scales, bar, slot, tile.row_start & ~3, kb);
-          sb0 = nsb0, sb1 = nsb1;
         }
-        tile = next, sc = next_sc;
       }
     }
   } else {
