@@ -6,12 +6,14 @@
 // Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
 //
 // Structure: persistent grid; warpgroup 0 = one TMA producer thread (registers given away with
-// setmaxnreg), warpgroups 1..W = math, each owning 64 rows of the tile: W = 2 for the default 128-row tiles,
-// W = 3 for the selectable 192 x 128 ones (see the config's note on the four tile shapes). A STAGES-deep mbarrier
-// ring of 128B-swizzled A/B tiles plus the tile's A scales. TMA needs the innermost start coordinate of a
-// box 16-byte aligned, and a group's first row is arbitrary, so the scales (M-contiguous FP32) are fetched
-// from the row rounded down to a multiple of 4 with 4 extra floats, and read at the remainder (the paper's
-// alignment-aware scale load). A rows are the outer TMA dimension and load from the exact first row.
+// setmaxnreg), warpgroups 1..W = math, each owning 64 rows of the tile: W = 2 for 128-row tiles, W = 3 for
+// 192 x 128 ones (the host picks; see the config's note on the four tile shapes). A STAGES-deep mbarrier ring of
+// 128B-swizzled A/B tiles plus a scale slot per stage: the tile's A scales (TMA) and the weight scale(s) of the
+// K block (cp.async, tracked by the same barrier), so the math loop reads every scale from shared memory and
+// has no global load. wgmma descriptors live in uniform registers (common/wgmma.cuh, KmajorSw128Desc).
+// TMA needs the innermost start coordinate of a box 16-byte aligned, and a group's first row is arbitrary, so
+// the A scales (M-contiguous FP32) are fetched from the row rounded down to a multiple of 4 with 4 extra floats,
+// and read at the remainder (the paper's alignment-aware scale load). A rows are the outer TMA dimension and load from the exact first row.
 // Beyond the paper: only real tiles are scheduled, and a math warpgroup whose 64 rows hold no valid row
 // skips its wgmma, promotion and epilogue (it only releases the pipeline stages).
 // Output: the paper's descriptor pool and two-phase residual store (common/residual_store.cuh), per warpgroup.
