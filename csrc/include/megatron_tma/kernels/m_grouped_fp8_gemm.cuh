@@ -13,7 +13,8 @@
 // has no global load. wgmma descriptors live in uniform registers (common/wgmma.cuh, KmajorSw128Desc).
 // TMA needs the innermost start coordinate of a box 16-byte aligned, and a group's first row is arbitrary, so
 // the A scales (M-contiguous FP32) are fetched from the row rounded down to a multiple of 4 with 4 extra floats,
-// and read at the remainder (the paper's alignment-aware scale load). A rows are the outer TMA dimension and load from the exact first row.
+// and read at the remainder (the paper's alignment-aware scale load). A rows are the outer TMA dimension and
+// load from the exact first row.
 // Beyond the paper: only real tiles are scheduled, and a math warpgroup whose 64 rows hold no valid row
 // skips its wgmma, promotion and epilogue (it only releases the pipeline stages).
 // Output: the paper's descriptor pool and two-phase residual store (common/residual_store.cuh), per warpgroup.
@@ -173,7 +174,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     float part2[Mma::kRegs];
     // A stage's descriptors are stage 0's plus stage * bytes / 16 in the 14-bit start-address field (shared
     // memory is below 256 KB: no carry out of it). Rebuilding them from the address every block cost ~5%
-    // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd).
+    // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd). Stage 0's low words pass
+    // through a shfl so that ptxas holds them in uniform registers instead of recomputing them every block.
     const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
     const KmajorSw128Desc db0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_B).lo, 0)};
     auto issue = [&](float(&frag)[Mma::kRegs], const PipelineState<Cfg::STAGES>& at) {
