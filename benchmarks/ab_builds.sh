@@ -33,18 +33,10 @@ cp /tmp/ab_so/head.so "$so"
 python3 scripts/gemm_bits.py compare "$D/bits.pt" | sed "s/^/bits head: /"
 variants=()
 for a in "${argsets[@]}"; do variants+=("base $a" "head $a"); done
-n=${#variants[@]}
-for r in $(seq 0 $(( ${ROUNDS:-3} - 1 ))); do
-  for j in $(seq 0 $(( n - 1 ))); do
-    v=${variants[$(( (j + r) % n ))]}
-    cp "/tmp/ab_so/${v%% *}.so" "$so"
-    echo "{\"variant\": \"$v\", \"round\": $r, \"tflops\": $(python3 benchmarks/time_m_grouped_rows.py ${v#* } 2>>"$D/err.log" || echo null)}" \
-      >> "$D/times.jsonl"
-  done
-  echo "round $r done"
-done
+source benchmarks/ab_rounds.sh
+time_rotated /tmp/ab_so "$so" "${ROUNDS:-3}" "${variants[@]}"
 cp /tmp/ab_so/head.so "$so"
 for a in "${argsets[@]}"; do
-  grep -F "\"base $a\"" "$D/times.jsonl" > "$D/base.jsonl"; grep -F "\"head $a\"" "$D/times.jsonl" >> "$D/base.jsonl"
-  python3 benchmarks/ab_summary.py "$D/base.jsonl" "base $a"
+  grep -F "\"base $a\"" "$D/times.jsonl" > "$D/pair.jsonl"; grep -F "\"head $a\"" "$D/times.jsonl" >> "$D/pair.jsonl"
+  python3 benchmarks/ab_summary.py "$D/pair.jsonl" "base $a"
 done

@@ -40,15 +40,7 @@ for v in "${variants[@]}"; do
   cp "/tmp/variants/$v.so" "$so"
   python3 scripts/gemm_bits.py compare "$D/bits.pt" 2>&1 | tail -1 | sed "s/^/bits $v: /"
 done
-n=${#variants[@]}
-for r in $(seq 0 $(( ${ROUNDS:-4} - 1 ))); do
-  for j in $(seq 0 $(( n - 1 ))); do
-    v=${variants[$(( (j + r) % n ))]}
-    cp "/tmp/variants/$v.so" "$so"
-    echo "{\"variant\": \"$v\", \"round\": $r, \"tflops\": $(python3 benchmarks/time_m_grouped_rows.py 2>"$D/err.log" || echo null)}" \
-      >> "$D/times.jsonl"
-  done
-  echo "round $r done"
-done
+source benchmarks/ab_rounds.sh
+time_rotated /tmp/variants "$so" "${ROUNDS:-4}" "${variants[@]}"
 cp /tmp/variants/base.so "$so"
 python3 benchmarks/ab_summary.py "$D/times.jsonl" base

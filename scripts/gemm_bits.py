@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from megatron_tma import reference as R
 from megatron_tma.gemm import m_grouped_fp8_gemm
 
-# (group sizes, N, K): unaligned groups, an empty one, a partial last tile, both tile widths' N rules
+# (group sizes, N, K): unaligned groups, an empty one, a partial last tile, N that 256- and 192-wide tiles leave partial
 CASES = [([1000, 0, 129, 3000, 77], 4096, 2048), ([4096, 4096], 2048, 7168), ([513] * 8, 768, 1024)]
 TILES = [(128, 128), (128, 192), (128, 256), (192, 128)]  # every kernel the extension builds (block_m, block_n)
 
