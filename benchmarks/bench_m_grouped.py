@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
-from megatron_tma.gemm import m_grouped_fp8_gemm  # noqa: E402
+from megatron_tma.gemm import m_grouped_fp8_gemm, m_grouped_tile  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.padding import pad_rows_fp8, padded_m_grouped_fp8_gemm  # noqa: E402
 
@@ -64,7 +64,8 @@ def run_config(G, M, N, K, dist, seed, iters):
 
     fns = {}
     fns["ours"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out)
-    # every tile shape (same bits): the evidence for the default's choice between 128 x 128 and 192 x 128
+    # every tile shape (same bits): the evidence for the default's choice (scheduler/m_grouped_tile_choice.h)
+    row["ours_tile"] = "%dx%d" % m_grouped_tile(M, N, G)
     fns["ours_m128"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_m=128, block_n=128)
     fns["ours_m192"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_m=192, block_n=128)
     fns["ours_bn192"] = lambda: m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out, block_m=128, block_n=192)
@@ -73,6 +74,7 @@ def run_config(G, M, N, K, dist, seed, iters):
     fns["padded_path"] = lambda: padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)
     a_pad, a_s_pad, pad_off = pad_rows_fp8(aq, a_s, groups, 128, num_groups=G)
     fns["padded_gemm"] = lambda: m_grouped_fp8_gemm(a_pad, a_s_pad, wq, ws, pad_off)
+    row["padded_gemm_tile"] = "%dx%d" % m_grouped_tile(a_pad.shape[0], N, G)  # its M is the padded buffer's
     xr, xr_s = rowwise_fp8(x)
     wr, wr_s = rowwise_fp8(w)                      # [G, N, K] with scales [G, N]
     wr_t = wr.transpose(-2, -1)                    # [G, K, N], column-major per group

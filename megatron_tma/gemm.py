@@ -73,9 +73,10 @@ def m_grouped_fp8_gemm(
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
     block_m, block_n: the output tile, for tuning and comparison only (every tile gives the same bits; only the
-    speed differs). Default (0, 0): 192 x 128 on three math warpgroups when the average group is large
-    (M >= 2048 G, and two waves of such tiles), else 128 x 128 on two with the promotion overlapped; block_m=192
-    (with block_n 0 or 128) and block_m=128 force one of them; block_n 192 or 256 give wider two-warpgroup tiles.
+    speed differs). Default (0, 0): the tile of `m_grouped_tile(M, N, G)`, from a wave model on M, N, G alone
+    (no sync): 128 x 128, 128 x 192, or 192 x 128 on three math warpgroups when groups average >= 2048 rows.
+    block_m=192 (with block_n 0 or 128) or block_m=128 (with block_n 0: 128 wide) force a tile; block_n 192 or
+    256 give wider two-warpgroup tiles.
     """
     op = _ext.fast_op("m_grouped_fp8_gemm_out", backend, a) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None:  # the op checks every rule below; on a refusal, fall through for the clear error
@@ -117,6 +118,17 @@ def m_grouped_fp8_gemm(
         return result
     out.copy_(result)
     return out
+
+
+def m_grouped_tile(m_total: int, n: int, num_groups: int, block_n: int = 0, block_m: int = 0, device=None):
+    """(block_m, block_n) of the output tile `m_grouped_fp8_gemm` launches for these sizes on `device` (default:
+    the current CUDA device): the forced tile, or for (0, 0) the default that
+    csrc/include/megatron_tma/scheduler/m_grouped_tile_choice.h picks. Needs the CUDA extension."""
+    if not _ext.has_extension():
+        raise RuntimeError("m_grouped_tile needs the CUDA extension (python setup.py build_ext --inplace)")
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        bm, bn = _ext.ops().m_grouped_fp8_gemm_tile(m_total, n, num_groups, block_n, block_m)
+    return int(bm), int(bn)
 
 
 def padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=None, align: int = 128):

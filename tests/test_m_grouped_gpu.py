@@ -179,6 +179,20 @@ def test_op_rejects_bad_geometry():
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, bs, groups, torch.empty(m, n, device=DEV))
 
 
+def test_default_tile_reported_by_m_grouped_tile():
+    """The tile the launcher picks (scheduler/m_grouped_tile_choice.h, tested in full on the CPU) is what
+    m_grouped_tile reports, including the fallback where a wide tile's shared memory does not fit G's offsets."""
+    from megatron_tma.gemm import m_grouped_tile
+
+    assert m_grouped_tile(65536, 4096, 8) == (192, 128)    # large groups
+    assert m_grouped_tile(16384, 3072, 32) == (128, 192)   # groups of 512 rows
+    assert m_grouped_tile(256, 2048, 8) == (128, 128)      # less than one round of tiles
+    assert m_grouped_tile(65536, 4096, 8, block_m=128) == (128, 128)
+    assert m_grouped_tile(1024, 256, 2000, block_m=128, block_n=192) == (128, 128)  # 2000 offsets: no room
+    with pytest.raises(RuntimeError, match="no such tile"):
+        m_grouped_tile(1024, 256, 8, block_n=64)
+
+
 @pytest.mark.parametrize("m,n,k,g,dist", [(3000, 1408, 1024, 8, "paper"), (777, 768, 2048, 3, "with_empty"),
                                           (20000, 4096, 1024, 16, "skewed"), (129, 256, 128, 1, "one_group"),
                                           (1000, 784, 256, 4, "paper"), (5000, 7168, 512, 8, "skewed"),

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "megatron_tma/host/m_grouped_fp8_gemm.h"
 
 namespace {
@@ -71,12 +73,24 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
   TORCH_CHECK(err == cudaSuccess, "m_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
 }
 
+// [block_m, block_n] of the tile m_grouped_fp8_gemm_out launches for these sizes (on the current device).
+std::vector<int64_t> m_grouped_fp8_gemm_tile(int64_t m_total, int64_t n, int64_t num_groups, int64_t block_n,
+                                             int64_t block_m) {
+  TORCH_CHECK(m_total >= 0 && n > 0 && num_groups >= 1, "m_total >= 0, n > 0 and num_groups >= 1 are required");
+  const megatron_tma::MGroupedTileShape t = megatron_tma::m_grouped_fp8_gemm_tile(
+      m_total, n, static_cast<int>(num_groups), static_cast<int>(block_m), static_cast<int>(block_n));
+  TORCH_CHECK(t.block_m != 0, "no such tile: block_m=", block_m, ", block_n=", block_n);
+  return {t.block_m, t.block_n};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
   m.def(
       "m_grouped_fp8_gemm_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor groups, "
       "Tensor(a!) out, int block_n=0, int block_m=0) -> ()");
+  m.def("m_grouped_fp8_gemm_tile(int m_total, int n, int num_groups, int block_n=0, int block_m=0) -> int[]",
+        &m_grouped_fp8_gemm_tile);
 }
 
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("m_grouped_fp8_gemm_out", &m_grouped_fp8_gemm_out); }

@@ -2,6 +2,7 @@
 #include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/m_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/m_grouped_fp8_gemm.cuh"
+#include "megatron_tma/scheduler/m_grouped_tile_choice.h"
 
 namespace megatron_tma {
 namespace {
@@ -11,7 +12,6 @@ using ConfigN192 = MGroupedGemmConfig</*BLOCK_N=*/192, /*STAGES=*/4>;
 using ConfigM192 = MGroupedGemmConfig</*BLOCK_N=*/128, /*STAGES=*/4, /*MATH_WG=*/3>;  // 192 x 128 tiles
 using ConfigN256 = MGroupedGemmConfig</*BLOCK_N=*/256, /*STAGES=*/3>;
 constexpr int kMaxSmem = 232448;  // sm_90 dynamic shared memory per block
-constexpr long long kM192MinRowsPerGroup = 2048;  // default_is_m192: average group size from which 192 x 128 pays
 
 }  // namespace
 
@@ -20,32 +20,34 @@ int m_grouped_fp8_gemm_max_groups() { return ConfigN128::kMaxGroups; }
 template <class Config>
 cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream);
 
-// The default tile, from what the host knows without reading the groups: M_total and G. 192 x 128 tiles on three
-// math warpgroups (serial promotion hidden behind the other two warpgroups' wgmma) are faster on full tiles, but a
-// group's last tile may leave one or two of their warpgroups idle, and a lone warpgroup cannot hide its promotion;
-// 128 x 128 tiles with two pipelined fragments lose less there. So 192 x 128 when the average group spans many
-// tiles, and there are enough tiles for a few waves (benchmarks/NOTES.md: the threshold's measurements).
-static bool default_is_m192(const MGroupedGemmArgs& args, int num_sms) {
-  const long long G = args.groups.num_groups, m = args.m_total;
-  const long long tiles192 = (m / 192) * ((args.n + 127) / 128);
-  return m >= kM192MinRowsPerGroup * G && tiles192 >= 2LL * num_sms;
+// Tiles, all giving the same bits: 128 x 128 (two math warpgroups, two partial fragments each: promotion
+// overlapped with the next K block), 192 x 128 (three math warpgroups, serial promotion hidden behind the other
+// two), 128 x 192 (two warpgroups, serial: DeepGEMM's scheme) and, for comparison only, 128 x 256 (two halves).
+// (0, 0) is the default of scheduler/m_grouped_tile_choice.h. A tile whose shared memory does not fit beside the
+// group table (thousands of groups) falls back to 128 x 128. {0, 0} for an invalid request.
+MGroupedTileShape m_grouped_fp8_gemm_tile(long long m_total, long long n, int num_groups, int block_m, int block_n) {
+  if ((block_m != 0 && block_m != 128 && block_m != 192) ||
+      (block_n != 0 && block_n != 128 && block_n != 192 && block_n != 256) ||
+      (block_m == 192 && block_n != 0 && block_n != 128))
+    return {0, 0};
+  static const int num_sms = sm_count();
+  MGroupedTileShape t{block_m == 0 ? 128 : block_m, block_n == 0 ? 128 : block_n};
+  if (block_m == 0 && block_n == 0) t = choose_m_grouped_tile(m_total, n, num_groups, num_sms);
+  const bool fits = t.block_m == 192   ? ConfigM192::smem_bytes(num_groups) <= kMaxSmem
+                    : t.block_n == 192 ? ConfigN192::smem_bytes(num_groups) <= kMaxSmem
+                    : t.block_n == 256 ? ConfigN256::smem_bytes(num_groups) <= kMaxSmem
+                                       : true;
+  return fits ? t : MGroupedTileShape{128, 128};
 }
 
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream) {
-  // Tiles, all giving the same bits: 128 x 128 (two math warpgroups, two partial fragments each: promotion
-  // overlapped with the next K block), 192 x 128 (three math warpgroups), and for comparison block_n 192
-  // (DeepGEMM's serial scheme) or 256 (two halves). 0 = the default above. A tile whose shared memory does not
-  // fit beside the group table (thousands of groups) falls back to 128 x 128.
-  const int G = args.groups.num_groups;
-  if (args.block_m != 0 && args.block_m != 128 && args.block_m != 192) return cudaErrorInvalidValue;
-  if (args.block_n != 0 && args.block_n != 128 && args.block_n != 192 && args.block_n != 256) return cudaErrorInvalidValue;
-  if (args.block_m == 192 && args.block_n != 0 && args.block_n != 128) return cudaErrorInvalidValue;
-  static const int num_sms = sm_count();
-  const bool m192 = args.block_m == 192 || (args.block_m == 0 && args.block_n == 0 && default_is_m192(args, num_sms));
-  if (m192 && ConfigM192::smem_bytes(G) <= kMaxSmem) return launch<ConfigM192>(args, stream);
-  if (args.block_n == 192 && ConfigN192::smem_bytes(G) <= kMaxSmem) return launch<ConfigN192>(args, stream);
-  if (args.block_n == 256 && ConfigN256::smem_bytes(G) <= kMaxSmem) return launch<ConfigN256>(args, stream);
-  return launch<ConfigN128>(args, stream);
+  const MGroupedTileShape t =
+      m_grouped_fp8_gemm_tile(args.m_total, args.n, args.groups.num_groups, args.block_m, args.block_n);
+  if (t.block_m == 192) return launch<ConfigM192>(args, stream);
+  if (t.block_n == 192) return launch<ConfigN192>(args, stream);
+  if (t.block_n == 256) return launch<ConfigN256>(args, stream);
+  if (t.block_n == 128) return launch<ConfigN128>(args, stream);
+  return cudaErrorInvalidValue;
 }
 
 template <class Config>

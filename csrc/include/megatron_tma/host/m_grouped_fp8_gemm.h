@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include "megatron_tma/common/groups_arg.h"
+#include "megatron_tma/scheduler/m_grouped_tile_choice.h"
 
 namespace megatron_tma {
 
@@ -16,13 +17,19 @@ struct MGroupedGemmArgs {
   int m_total, n, k;
   GroupsArg groups;       // device sizes [G] or offsets [G+1]
   int block_m;            // tile height: 128 (two math warpgroups, any block_n), 192 (three math warpgroups,
-                          // block_n 0 or 128), or 0 with block_n 0: chosen from m_total and G
-  int block_n;            // tile width: 0 (128), 128, 192 or 256 (the last two with block_m 128)
+                          // block_n 0 or 128), or 0 with block_n 0: the default (m_grouped_fp8_gemm_tile)
+  int block_n;            // tile width: 0 (128, or the default with block_m 0), 128, 192 or 256 (the last two
+                          // with block_m 128)
 };
 
 // Validates geometry it can see (returns cudaErrorInvalidValue with nothing launched) and launches on `stream`.
 // No host synchronisation, no device reads: safe under CUDA-graph capture.
 cudaError_t m_grouped_fp8_gemm(const MGroupedGemmArgs& args, cudaStream_t stream);
+
+// The tile a call with these arguments launches: the explicit block_m/block_n, or with (0, 0) the default of
+// scheduler/m_grouped_tile_choice.h for this device's SM count; 128 x 128 where the tile's shared memory does
+// not fit beside G groups' offsets. {0, 0} for an invalid block_m/block_n.
+MGroupedTileShape m_grouped_fp8_gemm_tile(long long m_total, long long n, int num_groups, int block_m, int block_n);
 
 // Largest G the kernel accepts (group offsets live in shared memory).
 int m_grouped_fp8_gemm_max_groups();
