@@ -224,12 +224,16 @@ class _FP8GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, groups, q, s, qt, st, backend, pow2, *weights):
-        y = _forward(x, groups, q, s, backend, pow2)
         need_dx = ctx.needs_input_grad[_X]
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
-        if need_dw:  # wgrad's operand, already in FP8: X is not kept in BF16
-            xt, xt_s = quant.quantize_grouped_128x1(x, groups, pow2, num_groups=q.shape[0], backend=backend)
+        if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
+            xq, xs, xt, xt_s = quant.quantize_1x128_and_grouped_128x1(
+                x, groups, pow2, num_groups=q.shape[0], backend=backend)
+            y = gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
+            del xq, xs
+        else:
+            y = _forward(x, groups, q, s, backend, pow2)
         ctx.backend, ctx.pow2, ctx.num_groups = backend, pow2, q.shape[0]
         ctx.save_for_backward(groups, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
         return y

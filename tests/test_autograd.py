@@ -337,8 +337,8 @@ def test_bf16_main_grad(gen):
 
 
 def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
-    """X^T is quantized (and saved) only when a weight needs a gradient, the W^T copy only feeds dgrad, and
-    a backward that needs both gradients quantizes dY once, in the fused pass."""
+    """X^T is quantized (and saved) only when a weight needs a gradient, and then in the same pass as the X rows;
+    the W^T copy only feeds dgrad; a backward that needs both gradients quantizes dY once, in the fused pass."""
     calls = []
     for name in ("quantize_1x128", "quantize_grouped_128x1", "quantize_1x128_and_grouped_128x1"):
         real = getattr(quant, name)
@@ -352,8 +352,8 @@ def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
     assert calls == ["quantize_1x128", "quantize_1x128"] and dx is not None  # X rows, dY rows
     calls.clear()
     _linear_grads(x, w.clone().requires_grad_(), sizes, dy)
-    # forward: X rows + X^T columns; backward: dY rows and columns from one pass
-    assert calls == ["quantize_1x128", "quantize_grouped_128x1", "quantize_1x128_and_grouped_128x1"]
+    # forward: X rows and X^T columns from one pass; backward: dY rows and columns from one pass
+    assert calls == ["quantize_1x128_and_grouped_128x1", "quantize_1x128_and_grouped_128x1"]
 
 
 def test_weight_cache_follows_versions(gen, monkeypatch):
