@@ -101,3 +101,16 @@ def test_k_grouped_out_must_be_pair_aligned(dtype, offset, pair_bytes):
         k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out, out_dtype=dtype)
     aligned = storage[: 3 * 64 * 128].view(3, 64, 128)  # the same call on an aligned out works
     assert k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=aligned, out_dtype=dtype) is aligned
+
+
+def test_m_grouped_tile_without_the_extension_says_what_it_needs():
+    """The tile query reads the launcher's choice, so it needs the built extension; elsewhere a clear error
+    (the choice itself is tested on the CPU in test_m_grouped_tile_choice.py, the query on the GPU)."""
+    import megatron_tma
+    from megatron_tma import _ext
+
+    assert megatron_tma.m_grouped_tile is megatron_tma.gemm.m_grouped_tile
+    if _ext.has_extension():
+        pytest.skip("the extension is built here: tests/test_m_grouped_gpu.py covers the query")
+    with pytest.raises(RuntimeError, match="needs the CUDA extension"):
+        megatron_tma.m_grouped_tile(65536, 4096, 8)
