@@ -14,6 +14,10 @@ It is a bound, not the kernel: the M-grouped promotion multiplies by one row sca
 wgrad needs a row x column scale product per element (one more multiply per element and block), and it writes
 BF16 where Megatron's main_grad path reads and writes FP32. Both make a real aligned kernel slower than this.
 
+Also timed: `aligned_kernel`, the experimental K-grouped kernel for 16-aligned group starts
+(kernels/k_grouped_aligned_fp8_gemm.cuh, MEGATRON_TMA_KGROUPED_ALIGNED16=1, BF16 out), with its bits checked
+against ours.
+
     python benchmarks/kgrouped_aligned_bound.py [--iters 20] [--out FILE.json]
 """
 import argparse
@@ -29,6 +33,8 @@ from bench_m_grouped import MORE, TABLE  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm  # noqa: E402
+
+ALIGNED_ENV = "MEGATRON_TMA_KGROUPED_ALIGNED16"  # the experimental aligned-start kernel (BF16 out)
 
 
 def roofline_ms(G, M, N, K, ceilings):
@@ -58,8 +64,18 @@ def run_row(G, M, N, K, ceilings, iters, seed):
     dyt, dys = quant.quantize_grouped_128x1(dy, sizes)
     out_k = torch.empty(G, N, K, dtype=torch.bfloat16, device=dev)
     main_grad = torch.zeros(G, N, K, device=dev)
+    out_a = torch.empty(G, N, K, dtype=torch.bfloat16, device=dev)
+
+    def aligned_kernel():  # the experimental kernel for 16-aligned group starts (these groups start 128-aligned)
+        os.environ[ALIGNED_ENV] = "1"
+        try:
+            return k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out_a)
+        finally:
+            del os.environ[ALIGNED_ENV]
+
     fns = {
         "aligned_bound": lambda: m_grouped_fp8_gemm(a, a_s, b, b_s, rows_per_group, out=out_m),
+        "aligned_kernel": aligned_kernel,
         "ours_bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out_k),
         "ours_fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=main_grad, accumulate=True),
     }
@@ -67,6 +83,8 @@ def run_row(G, M, N, K, ceilings, iters, seed):
     for name in fns:
         row[f"{name}_over_roofline"] = round(row[f"{name}_ms"] / row["roofline_ms"], 3)
     row["ours_bf16_over_bound"] = round(row["ours_bf16_ms"] / row["aligned_bound_ms"], 3)
+    row["aligned_kernel_bitexact"] = bool(torch.equal(aligned_kernel(), k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes,
+                                                                                           out_dtype=torch.bfloat16)))
     return row
 
 
@@ -82,7 +100,9 @@ def main():
         row = run_row(G, M, N, K, ceilings, args.iters, 4000 + i)
         rows.append(row)
         print(f"G={G:3d} M={M:6d} N={N:5d} K={K:5d} T={row['tokens_per_group']:5d} roofline {row['roofline_ms']:.3f} ms | "
-              f"aligned bound {row['aligned_bound_ms']:.3f} ({row['aligned_bound_over_roofline']:.2f}x) | ours bf16 "
+              f"aligned bound {row['aligned_bound_ms']:.3f} ({row['aligned_bound_over_roofline']:.2f}x) | aligned kernel "
+              f"{row['aligned_kernel_ms']:.3f} ({row['aligned_kernel_over_roofline']:.2f}x, bits "
+              f"{'=' if row['aligned_kernel_bitexact'] else 'DIFFER'}) | ours bf16 "
               f"{row['ours_bf16_ms']:.3f} ({row['ours_bf16_over_roofline']:.2f}x) | ours fp32+= {row['ours_fp32_acc_ms']:.3f} "
               f"({row['ours_fp32_acc_over_roofline']:.2f}x) | ours/bound x{row['ours_bf16_over_bound']:.2f}", flush=True)
     if args.out:
