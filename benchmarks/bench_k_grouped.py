@@ -34,6 +34,14 @@ def padded_token_index(sizes, align, dev):
     return torch.tensor(idx, dtype=torch.int64, device=dev)
 
 
+def roofline_ms(G, M, N, K, ceilings):
+    """The row's roofline: max(2MNK / dense FP8 rate, bytes / copy bandwidth), bytes = both FP8 operands, their
+    token-block scales, and the FP32 output read and written (accumulate into main_grad)."""
+    flops = 2.0 * M * N * K
+    nbytes = (N + K) * M + (M // 128 + G) * (N + K) * 4 + 2 * G * N * K * 4
+    return max(flops / (ceilings["dense_fp8_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
+
+
 def run_config(G, M, N, K, dist, seed, iters, ceilings):
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -47,8 +55,7 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings):
     row = {"G": G, "M": M, "N": N, "K": K, "dist": dist, "seed": seed,
            "empty_groups": int((sizes == 0).sum()), "min_group": int(sizes.min())}
     flops = 2.0 * M * N * K
-    nbytes = (N + K) * M + (M // 128 + G) * (N + K) * 4 + 2 * G * N * K * 4
-    row["roofline_ms"] = round(max(flops / (ceilings["dense_fp8_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9)), 5)
+    row["roofline_ms"] = round(roofline_ms(G, M, N, K, ceilings), 5)
 
     fns = {"ours": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=main_grad, accumulate=True)}
     # padded layout: the same quantized columns gathered into 128-aligned groups (zero columns as padding)

@@ -29,19 +29,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_k_grouped import roofline_ms  # noqa: E402  (the K-grouped benchmark's own roofline)
 from bench_m_grouped import MORE, TABLE  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm  # noqa: E402
 
 ALIGNED_ENV = "MEGATRON_TMA_KGROUPED_ALIGNED16"  # the experimental aligned-start kernel (BF16 out)
-
-
-def roofline_ms(G, M, N, K, ceilings):
-    """bench_k_grouped's roofline: max(FLOPs / dense FP8 rate, bytes / copy bandwidth), FP32 accumulate."""
-    flops = 2.0 * M * N * K
-    nbytes = (N + K) * M + (M // 128 + G) * (N + K) * 4 + 2 * G * N * K * 4
-    return max(flops / (ceilings["dense_fp8_tflops"] * 1e9), nbytes / (ceilings["copy_tbps"] * 1e9))
 
 
 def run_row(G, M, N, K, ceilings, iters, seed):
