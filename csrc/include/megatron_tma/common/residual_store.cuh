@@ -10,6 +10,7 @@
 // bits [7,10)), so a store may start at any whole row: the shifted second store reads the same bytes the
 // epilogue wrote. This is why an output row chunk must be exactly 128 B (64 BF16 columns / 32 FP32 columns).
 #pragma once
+#include <cuda_bf16.h>
 #include <cstdint>
 #include "megatron_tma/common/tma.cuh"
 
@@ -37,5 +38,22 @@ __device__ __forceinline__ void residual_store_3d(const CUtensorMap* pool, const
 
 // Byte offset of the 16-byte chunk `chunk` of 128-byte row `row` under SWIZZLE_128B (1024 B aligned base).
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// One warpgroup's FP32 m64n128 fragment (R = 64 registers: rows row_a and row_a + 8, columns 8j + 2(lane%4) + {0,1},
+// common/promotion.cuh) rounded to BF16 into a staging tile of two 64-column, 128B-swizzled halves that lie
+// kHalfBytes apart: the layout the residual stores read.
+template <int kHalfBytes, int R>
+__device__ __forceinline__ void stage_bf16_fragment(uint8_t* tile, const float (&acc)[R], int row_a, int lane) {
+  static_assert(R == 64, "an m64n128 fragment");
+  const int row_b = row_a + 8;
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+    uint8_t* half = tile + (j / 8) * kHalfBytes;
+    *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_a, j % 8) + 4 * (lane % 4)) =
+        __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
+    *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_b, j % 8) + 4 * (lane % 4)) =
+        __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+  }
+}
 
 }  // namespace megatron_tma

@@ -198,15 +198,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (tid == 0) tma_store_wait_read<0>();  // the previous tile's stores have read this warpgroup's rows
       named_barrier_sync(1 + mwg, 128);
       uint8_t* d_tile = smem + Cfg::OFF_D;
-      const int row_a = 64 * mwg + r0, row_b = row_a + 8;
-#pragma unroll
-      for (int j = 0; j < R / 4; ++j) {
-        uint8_t* half = d_tile + (j / 8) * (Cfg::BLOCK_M * 128);
-        *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_a, j % 8) + 4 * (lane % 4)) =
-            __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-        *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_b, j % 8) + 4 * (lane % 4)) =
-            __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-      }
+      stage_bf16_fragment<Cfg::BLOCK_M * 128>(d_tile, acc, 64 * mwg + r0, lane);
       fence_proxy_async_smem();
       named_barrier_sync(1 + mwg, 128);
       if (tid == 0) {

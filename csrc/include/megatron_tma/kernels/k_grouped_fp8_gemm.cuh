@@ -358,15 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         // block if the next tile has only one), always after a 256-thread barrier 3 that follows the
         // leaders' wait below.
         uint8_t* stage = tiles_of(next_buf(buf));
-        const int row_a = 64 * mwg + r0, row_b = row_a + 8;
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-          uint8_t* half = stage + (j / 8) * (Cfg::BLOCK_M * 128);
-          *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_a, j % 8) + 4 * (lane % 4)) =
-              __floats2bfloat162_rn(acc[4 * j], acc[4 * j + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(half + sw128_offset(row_b, j % 8) + 4 * (lane % 4)) =
-              __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-        }
+        stage_bf16_fragment<Cfg::BLOCK_M * 128>(stage, acc, 64 * mwg + r0, lane);
         fence_proxy_async_smem();
         named_barrier_sync(1 + mwg, 128);
         if (tid == 0) {
