@@ -11,6 +11,10 @@ quantization and padding, not the activation. Steps are timed in blocks of one m
 timed right after another method's step inherits that method's clock state (measured: the FP8 step ~10% slower
 after the BF16 step), and in training a step follows a step of the same layer.
 
+All three modules have one parameter layout (`--weight-layout`, recorded per row): by default the modules' own,
+one `[G, N, K]` weight per linear; `per_expert` gives G `[N, K]` parameters (Transformer Engine's names), whose
+per-weight autograd bookkeeping makes the many-expert rows host-bound.
+
 Each timed step re-quantizes the FP8 weights (a training step changes them; `--cached-weights` measures later
 micro-batches, which reuse the copies). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
 what was allocated before it (weights and inputs exist, gradients and FP8 weight copies do not): the memory the step
@@ -19,7 +23,8 @@ behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers
 `te_fp8_ms_reported` / `te_bf16_ms_reported`: they were not measured by this script.
 Writes benchmarks/results/mlp_layer-<stamp>.json and a PNG; the table prints last.
 
-    python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--iters N] [--out DIR]
+    python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--weight-layout per_expert] [--iters N]
+                                         [--out DIR]
 """
 import argparse
 import gc
@@ -34,7 +39,7 @@ import common  # noqa: E402
 
 from megatron_tma import reference  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
-from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
+from megatron_tma.mlp import WEIGHT_LAYOUTS, GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
 
 MODELS = {  # name: (hidden H, expert ffn F, local experts G)
     "deepseek_v3": (7168, 2048, (8, 32)),
@@ -95,7 +100,7 @@ class Step:
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run_config(model, G, M, dist, seed, iters, requantize):
+def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked"):
     H, F, _ = MODELS[model]
     dev = DEV
     sizes = make_group_sizes(M, G, dist, seed)
@@ -104,9 +109,9 @@ def run_config(model, G, M, dist, seed, iters, requantize):
     probs = torch.rand(M, generator=gen, device=dev).requires_grad_()
     dy = torch.randn(M, H, generator=gen, device=dev).bfloat16()
     torch.manual_seed(seed)
-    ours = GroupedFP8MLP(G, H, F, "swiglu", device=dev)
-    padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, device=dev)
-    bf16 = GroupedBF16MLP(G, H, F, "swiglu", device=dev)
+    ours = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
+    padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, weight_layout=weight_layout, device=dev)
+    bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
     padded.load_state_dict(ours.state_dict())
     bf16.load_state_dict(ours.state_dict())
     groups = sizes.to(dev)
@@ -116,7 +121,8 @@ def run_config(model, G, M, dist, seed, iters, requantize):
     flops = 3 * 2.0 * M * H * (3 * F)  # fc1 (2F outputs) + fc2 (F inputs), each forward, dgrad and wgrad
     row = {"model": model, "G": G, "M": M, "H": H, "F": F, "dist": dist, "seed": seed,
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
-           "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize}
+           "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
+           "weight_layout": weight_layout}
 
     times = common.bench_blocks(steps, iters=iters)  # each step timed after its own kind (see bench_blocks)
     for name in METHODS:
@@ -172,6 +178,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only the six rows with quoted Transformer Engine numbers")
     ap.add_argument("--cached-weights", action="store_true",
                     help="reuse the FP8 weight copies across steps (later micro-batches) instead of re-quantizing")
+    ap.add_argument("--weight-layout", choices=WEIGHT_LAYOUTS, default="stacked",
+                    help="the parameter layout of all three modules: one [G, N, K] weight per linear (default) or "
+                         "G [N, K] ones (Transformer Engine's GroupedLinear names; ~6 us more host time per expert "
+                         "weight per step)")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
@@ -180,16 +190,19 @@ def main():
     rows = []
     todo = configs(args.quick)
     for i, (model, G, M, dist) in enumerate(todo):
-        row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights)
+        row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
+                         weight_layout=args.weight_layout)
         rows.append(row)
         print(f"[{i + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
               f"bitexact={row['bitexact']}", flush=True)
     summary = summarize(rows)
     command = "python benchmarks/bench_mlp_layer.py" + (" --quick" if args.quick else "") + (
-        " --cached-weights" if args.cached_weights else "")
+        " --cached-weights" if args.cached_weights else "") + (
+        f" --weight-layout {args.weight_layout}" if args.weight_layout != "stacked" else "")
     path = common.write_result("mlp_layer", rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
+        "weight_layout": args.weight_layout,
         "peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it "
                               "(weights and inputs allocated; gradients and FP8 weight copies not)",
         "te_reported_source": "issue 5: Transformer Engine 2.20 GroupedLinear, blockwise FP8 recipe behind "

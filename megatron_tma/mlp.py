@@ -11,11 +11,20 @@ read on the host) and the permuted routing probs `[T]` -- and returns `(out, Non
                                     kernel each way on Hopper
     out = fc2(z)                    FP8 grouped linear, [T, F] -> [T, H]
 
-Parameters are `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one per expert, the names
-and shapes of Transformer Engine's `GroupedLinear`, so checkpoints stay interchangeable. Each linear allocates its
-G weights as consecutive slices of one storage, so that the FP8 path stacks them for free (megatron_tma.autograd);
-moving the module with `.to()` re-allocates them one by one, which stays correct but costs one stacking copy per
-weight version: build it on its device instead (`device=`).
+Two parameter layouts (`weight_layout`), the two of Megatron's expert modules:
+* `"stacked"` (the default): one parameter per linear, `linear_fc1.weight` `[G, 2F or F, H]` and `linear_fc2.weight`
+  `[G, H, F]`, as Megatron's `GroupedMLP` keeps its experts in one tensor. One autograd leaf per linear: the
+  step's host cost does not grow with the number of experts (with G parameters it is ~6 us per expert weight:
+  the engine's AccumulateGrad node, the gradient's split, `zero_grad`), which is what keeps many-expert layers
+  (G = 128) GPU-bound. A Megatron `main_grad` is then one `[G, N, K]` FP32 buffer that wgrad accumulates into.
+* `"per_expert"`: `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one per expert, the names
+  and shapes of Transformer Engine's `GroupedLinear` (Megatron's `TEGroupedMLP`), for code that wants one parameter
+  per expert. Each linear allocates its G weights as consecutive slices of one storage, so that the FP8 path
+  stacks them for free (megatron_tma.autograd); moving the module with `.to()` re-allocates them one by one, which
+  stays correct but costs one stacking copy per weight version: build it on its device instead (`device=`).
+Both layouts load either layout's state dict (`weight{i}` keys are stacked on load, a `weight` key is split), so
+checkpoints stay interchangeable with each other and with Transformer Engine's names; each saves its own keys. Both
+initialize expert by expert (`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
 
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
@@ -47,7 +56,7 @@ from .groups import normalize_groups, padded_sizes, sizes_to_offsets
 from .padding import padded_row_count_upper_bound
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
-           "activation_times_probs"]
+           "activation_times_probs", "WEIGHT_LAYOUTS"]
 
 PAD_TO = (None, 16, 128)
 
@@ -61,41 +70,83 @@ def _default_init(w: torch.Tensor) -> None:
     nn.init.normal_(w, mean=0.0, std=0.02)  # Megatron's init_method_std
 
 
-class _GroupedWeights(nn.Module):
-    """G expert weights `weight{i}` `[out_features, in_features]` in bf16, consecutive slices of one storage."""
+WEIGHT_LAYOUTS = ("stacked", "per_expert")
 
-    def __init__(self, num_groups: int, in_features: int, out_features: int, *, device=None,
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+
+class _GroupedWeights(nn.Module):
+    """G expert weights `[out_features, in_features]` in bf16 in one storage: one `weight` parameter
+    `[G, out_features, in_features]` (`weight_layout="stacked"`) or G parameters `weight{i}` (`"per_expert"`)."""
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, *, weight_layout: str = "stacked",
+                 device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
         super().__init__()
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        if weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout must be 'stacked' or 'per_expert', got {weight_layout!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.weight_layout = weight_layout
         storage = torch.empty(num_groups, out_features, in_features, dtype=torch.bfloat16, device=device)
-        self._weight_names = tuple(f"weight{i}" for i in range(num_groups))
-        for name, w in zip(self._weight_names, storage):
-            self.register_parameter(name, nn.Parameter(w))
+        if weight_layout == "stacked":
+            self._weight_names = ("weight",)
+            self.weight = nn.Parameter(storage)
+        else:
+            self._weight_names = tuple(f"weight{i}" for i in range(num_groups))
+            for name, w in zip(self._weight_names, storage):
+                self.register_parameter(name, nn.Parameter(w))
+        self.register_load_state_dict_pre_hook(_GroupedWeights._convert_loaded_layout)
         self.reset_parameters(init_method)
 
     @property
     def weights(self) -> List[nn.Parameter]:
+        """The parameters, as `fp8_grouped_linear` takes them: `[weight]` (`[G, N, K]`) or the G `[N, K]` ones."""
         params = self._parameters  # not getattr: nn.Module's attribute look-up costs microseconds per weight
         return [params[name] for name in self._weight_names]
 
+    def expert_weights(self) -> List[torch.Tensor]:
+        """The G `[out_features, in_features]` expert weights, in either layout (slices of `weight` if stacked)."""
+        weights = self.weights
+        return list(weights[0].unbind(0)) if self.weight_layout == "stacked" else weights
+
+    def expert_grads(self) -> List[Optional[torch.Tensor]]:
+        """The G experts' gradients (`.grad`), in either layout (None where there is none)."""
+        if self.weight_layout == "stacked":
+            grad = self.weights[0].grad
+            return [None] * self.num_groups if grad is None else list(grad.unbind(0))
+        return [w.grad for w in self.weights]
+
     def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         with torch.no_grad():
-            for w in self.weights:
+            for w in self.expert_weights():
                 (init_method or _default_init)(w)
 
+    @staticmethod
+    def _convert_loaded_layout(module, state_dict, prefix, *_):
+        """Rewrite the other layout's keys into this one's before loading (a copy per weight; nothing on the
+        training path)."""
+        g = module.num_groups
+        stacked_key, expert_keys = prefix + "weight", [f"{prefix}weight{i}" for i in range(g)]
+        if module.weight_layout == "stacked" and stacked_key not in state_dict and expert_keys[0] in state_dict:
+            if all(k in state_dict for k in expert_keys):  # else leave them: load_state_dict reports what is off
+                state_dict[stacked_key] = torch.stack([state_dict.pop(k) for k in expert_keys])
+        elif module.weight_layout == "per_expert" and stacked_key in state_dict and expert_keys[0] not in state_dict:
+            stacked = state_dict[stacked_key]
+            if isinstance(stacked, torch.Tensor) and stacked.dim() == 3 and stacked.shape[0] == g:
+                del state_dict[stacked_key]
+                state_dict.update(zip(expert_keys, stacked.unbind(0)))
+
     def extra_repr(self) -> str:
-        return f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}"
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight_layout={self.weight_layout!r}")
 
 
 class GroupedFP8Linear(_GroupedWeights):
     """`y[rows of g] = x[rows of g] . weight{g}^T` with the FP8 Function of megatron_tma.autograd."""
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
-                 device=None, init_method=None):
-        super().__init__(num_groups, in_features, out_features, device=device, init_method=init_method)
+                 weight_layout: str = "stacked", device=None, init_method=None):
+        super().__init__(num_groups, in_features, out_features, weight_layout=weight_layout, device=device,
+                         init_method=init_method)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
         self.backend, self.pow2_scales = backend, pow2_scales
@@ -115,7 +166,8 @@ class GroupedBF16Linear(_GroupedWeights):
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         ends = torch.cumsum(groups, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, stack_weights(self.weights).transpose(-2, -1), offs=ends)
+        w = self.weights[0] if self.weight_layout == "stacked" else stack_weights(self.weights)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -179,7 +231,8 @@ class GroupedFP8MLP(_GroupedMLP):
     """The expert MLP on the FP8 grouped linears, unpadded (`pad_to=None`) or as the padded twin (16 or 128)."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
-                 pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *, device=None,
+                 pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *,
+                 weight_layout: str = "stacked", device=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
@@ -188,8 +241,8 @@ class GroupedFP8MLP(_GroupedMLP):
                 "hidden_size and ffn_hidden_size must be positive multiples of 128 (every FP8 GEMM of the layer "
                 f"contracts over one of them in 128-wide scaling blocks), got {hidden_size} and {ffn_hidden_size}"
             )
-        linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales, device=device,
-                                   init_method=init_method)
+        linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
+                                   weight_layout=weight_layout, device=device, init_method=init_method)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
         self.pad_to = pad_to
 
@@ -231,6 +284,8 @@ class GroupedBF16MLP(_GroupedMLP):
     measures the GEMMs."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", *,
-                 backend: str = "auto", device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
-        linear = functools.partial(GroupedBF16Linear, device=device, init_method=init_method)
+                 backend: str = "auto", weight_layout: str = "stacked", device=None,
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+        linear = functools.partial(GroupedBF16Linear, weight_layout=weight_layout, device=device,
+                                   init_method=init_method)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)

@@ -2,7 +2,8 @@
 # One device call: install carried wheels, build the extension, run the test suite and the named benchmarks.
 # Everything lands under $OUT (logs + one tarball of benchmark results), the table prints last.
 #   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [pytest-args] -- [bench ...]
-#   bench: m_grouped, k_grouped, quant, mlp_layer; append :quick for the short grid (e.g. m_grouped:quick)
+#   bench: m_grouped, k_grouped, quant, mlp_layer; each ":word" appended becomes "--word" (e.g. m_grouped:quick,
+#          mlp_layer:quick:weight-layout=per_expert)
 #   SANITIZE=1 also runs the smoke check under compute-sanitizer memcheck (about a minute)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -38,10 +39,13 @@ mkdir -p "$OUT/res"
 if [ $# -gt 0 ] && [ -z "${MEGATRON_TMA_COMMIT:-}" ] && [ ! -d .git ]; then
   echo "WARNING: MEGATRON_TMA_COMMIT unset and no .git: results will say commit 'unknown' (use scripts/device_command.sh)"
 fi
+i=0
 for b in "$@"; do
-  name=${b%%:*}; flag=""; [ "$b" != "$name" ] && flag="--${b#*:}"
+  i=$((i + 1))
+  name=${b%%:*}; flag=""
+  if [ "$b" != "$name" ]; then IFS=: read -ra words <<< "${b#*:}"; for w in "${words[@]}"; do flag="$flag --$w"; done; fi
   t0=$(date +%s)
-  timeout ${BENCH_TIMEOUT:-400} python3 "benchmarks/bench_${name}.py" $flag --out "$OUT/res" > "$OUT/res/bench_${name}.log" 2>&1
-  echo "bench $name rc=$? in $(( $(date +%s) - t0 )) s"; tail -45 "$OUT/res/bench_${name}.log"
+  timeout ${BENCH_TIMEOUT:-400} python3 "benchmarks/bench_${name}.py" $flag --out "$OUT/res" > "$OUT/res/bench_${i}_${name}.log" 2>&1
+  echo "bench $name$flag rc=$? in $(( $(date +%s) - t0 )) s"; tail -45 "$OUT/res/bench_${i}_${name}.log"
 done
 tar czf "$OUT/results.tar.gz" -C "$OUT" res && rm -rf "$OUT/res"

@@ -66,7 +66,7 @@ def _run(module, x, sizes, p, dy):
     assert bias is None
     out.backward(dy)
     return (out.detach(), x.grad, None if p is None else p.grad,
-            [w.grad for w in module.linear_fc1.weights], [w.grad for w in module.linear_fc2.weights])
+            module.linear_fc1.expert_grads(), module.linear_fc2.expert_grads())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,8 +116,8 @@ def _float64_mlp(module, x, sizes, p, dy, quantized, pow2=False):
     sizes = [int(s) for s in sizes]
     x = x.detach().double().requires_grad_()
     p = None if p is None else p.detach().double().requires_grad_()
-    w1 = [w.detach().double().requires_grad_() for w in module.linear_fc1.weights]
-    w2 = [w.detach().double().requires_grad_() for w in module.linear_fc2.weights]
+    w1 = [w.detach().double().requires_grad_() for w in module.linear_fc1.expert_weights()]
+    w2 = [w.detach().double().requires_grad_() for w in module.linear_fc2.expert_weights()]
 
     def linear(a, ws):
         if quantized:
@@ -356,25 +356,26 @@ def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
     assert calls == ["quantize_1x128_and_grouped_128x1", "quantize_1x128_and_grouped_128x1"]
 
 
-def test_weight_cache_follows_versions(gen, monkeypatch):
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_weight_cache_follows_versions(gen, monkeypatch, weight_layout):
     calls = []
     real = quant.quantize_128x128
     monkeypatch.setattr(quant, "quantize_128x128", lambda *a, **k: calls.append(1) or real(*a, **k))
-    module = _mlp()
+    module = _mlp(weight_layout=weight_layout)
     x, sizes, p = _inputs([50, 30, 0, 20], gen)
     y1, _ = module(x, sizes, p)
     y2, _ = module(x, sizes, p)
     assert len(calls) == 2 and torch.equal(y1, y2)  # fc1 and fc2 once each, then hits
     with torch.no_grad():
-        module.linear_fc2.weight1.mul_(2.0)  # an optimizer-style in-place update bumps the version
+        module.linear_fc2.expert_weights()[1].mul_(2.0)  # an optimizer-style in-place update bumps the version
     y3, _ = module(x, sizes, p)
     assert len(calls) == 3  # only fc2 re-quantized
-    fresh = _mlp(seed=5)
+    fresh = _mlp(seed=5, weight_layout=weight_layout)
     fresh.load_state_dict(module.state_dict())
     assert torch.equal(y3, fresh(x, sizes, p)[0]) and not torch.equal(y3, y1)
 
     calls.clear()
-    module.linear_fc2.weight1.data.mul_(0.5)  # invisible to the version counter: a stale hit ...
+    module.linear_fc2.expert_weights()[1].data.mul_(0.5)  # invisible to the version counter: a stale hit ...
     assert len(calls) == 0 and torch.equal(module(x, sizes, p)[0], y3)
     for lin in module.modules():  # ... until Megatron's per-step flag (set_is_first_microbatch) re-quantizes
         if hasattr(lin, "is_first_microbatch"):
@@ -484,15 +485,59 @@ def test_module_constructor_validation():
         GroupedFP8MLP(2, 128, 128, backend="triton")
     with pytest.raises(ValueError, match="multiples of 128 .* got 128 and 200"):
         GroupedFP8MLP(2, 128, 200)
+    for cls in (GroupedFP8MLP, GroupedBF16MLP):
+        with pytest.raises(ValueError, match="weight_layout must be 'stacked' or 'per_expert', got 'flat'"):
+            cls(2, 128, 128, weight_layout="flat")
 
 
 def test_parameter_names_and_shapes():
-    module = _mlp()
-    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    stacked, per_expert = _mlp(), _mlp(weight_layout="per_expert")
+    shapes = {n: tuple(p.shape) for n, p in stacked.named_parameters()}
+    assert shapes == {"linear_fc1.weight": (G, 2 * FFN, H), "linear_fc2.weight": (G, H, FFN)}
+    shapes = {n: tuple(p.shape) for n, p in per_expert.named_parameters()}
     assert shapes == {**{f"linear_fc1.weight{i}": (2 * FFN, H) for i in range(G)},
                       **{f"linear_fc2.weight{i}": (H, FFN) for i in range(G)}}
-    assert stacked_view(module.linear_fc1.weights) is not None  # one storage: the FP8 path stacks for free
-    assert _mlp("gelu").linear_fc1.weight0.shape == (FFN, H)
+    assert stacked_view(per_expert.linear_fc1.weights) is not None  # one storage: the FP8 path stacks for free
+    assert _mlp("gelu", weight_layout="per_expert").linear_fc1.weight0.shape == (FFN, H)
+    assert _mlp("gelu").linear_fc1.weight.shape == (G, FFN, H)
+    assert "weight_layout='per_expert'" in repr(per_expert)
+    # one seed, one set of weights: both layouts initialize expert by expert
+    for a, b in zip(stacked.parameters(), [torch.stack(per_expert.linear_fc1.weights),
+                                           torch.stack(per_expert.linear_fc2.weights)]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cls", [GroupedFP8MLP, GroupedBF16MLP])
+def test_state_dicts_load_across_weight_layouts(gen, cls):
+    """A per-expert state dict (Transformer Engine's `weight{i}` names) loads into the stacked layout and back,
+    and both modules then compute the same thing."""
+    stacked, per_expert = _mlp(seed=1, cls=cls), _mlp(seed=2, cls=cls, weight_layout="per_expert")
+    per_expert.load_state_dict(stacked.state_dict())
+    assert set(per_expert.state_dict()) == {f"linear_fc{j}.weight{i}" for j in (1, 2) for i in range(G)}
+    for lin_s, lin_p in ((stacked.linear_fc1, per_expert.linear_fc1), (stacked.linear_fc2, per_expert.linear_fc2)):
+        assert all(torch.equal(a, b) for a, b in zip(lin_s.expert_weights(), lin_p.expert_weights()))
+    with torch.no_grad():
+        per_expert.linear_fc2.weight3.mul_(3.0)
+    stacked.load_state_dict(per_expert.state_dict())
+    assert torch.equal(stacked.linear_fc2.weight[3], per_expert.linear_fc2.weight3)
+    x, sizes, p = _inputs([50, 0, 70, 36], gen)
+    assert torch.equal(stacked(x, sizes, p)[0], per_expert(x, sizes, p)[0])
+    # an incomplete per-expert dict is not stacked: load_state_dict names what is missing and unexpected
+    partial = {k: v for k, v in per_expert.state_dict().items() if k != "linear_fc1.weight2"}
+    missing_then_unexpected = r"(?s)Missing key\(s\).*\"linear_fc1\.weight\".*Unexpected key\(s\).*weight0"
+    with pytest.raises(RuntimeError, match=missing_then_unexpected):
+        stacked.load_state_dict(partial)
+
+
+def test_weight_layouts_give_the_same_gradients(one_thread, gen):
+    """One [G, N, K] parameter or G [N, K] ones: the same Function on the same bytes, the same bits."""
+    stacked, per_expert = _mlp(), _mlp(weight_layout="per_expert")
+    x, sizes, p = _inputs([90, 0, 129, 37], gen)
+    dy = torch.randn(x.shape[0], H, generator=gen).bfloat16()
+    a, b = _run(stacked, x, sizes, p, dy), _run(per_expert, x, sizes, p, dy)
+    assert all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
+    for ga, gb in zip(a[3:], b[3:]):
+        assert len(ga) == len(gb) == G and all(torch.equal(u, v) for u, v in zip(ga, gb))
 
 
 def test_torch_compile_forward(gen):

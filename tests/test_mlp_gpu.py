@@ -95,22 +95,48 @@ def test_padded_twin_is_bit_exact_with_pow2_scales():
         assert torch.equal(u, v), name
 
 
-def test_main_grad_accumulation_is_bit_exact():
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_main_grad_accumulation_is_bit_exact(weight_layout):
     """Megatron's main_grad: FP32 accumulation by the K-grouped GEMM over two micro-batches, padded == unpadded."""
-    ours, padded = _modules(8, 512, 256, "swiglu", 128)
+    ours, padded = _modules(8, 512, 256, "swiglu", 128, weight_layout=weight_layout)
     gen = torch.Generator(device=DEV).manual_seed(5)
+    starts = []
     for lins in ((ours.linear_fc1, padded.linear_fc1), (ours.linear_fc2, padded.linear_fc2)):
-        start = torch.randn((8,) + tuple(lins[0].weight0.shape), generator=gen, device=DEV)  # not zero: C + A.B
+        shape = (8, lins[0].out_features, lins[0].in_features)
+        start = torch.randn(shape, generator=gen, device=DEV)  # not zero: C + A.B
+        starts.append(start)
         for lin in lins:  # one FP32 buffer per linear, in expert order (the in-place accumulation path)
-            for w, buf in zip(lin.weights, start.clone().unbind(0)):
-                w.main_grad = buf
+            buf = start.clone()
+            for w, b in zip(lin.weights, (buf,) if weight_layout == "stacked" else buf.unbind(0)):
+                w.main_grad = b
     for seed, dist in ((6, "paper"), (7, "with_empty")):
         inputs = _inputs(make_group_sizes(1800, 8, dist, seed=seed), 512, seed=seed)
         a, b = _step(ours, *inputs), _step(padded, *inputs)
         assert all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
         assert all(g is None for g in a[3:] + b[3:])
+    for lin, start in zip((ours.linear_fc1, ours.linear_fc2), starts):  # something was accumulated
+        main = torch.stack([w.main_grad for w in lin.weights]).reshape(start.shape)
+        assert not torch.equal(main, start)
     for (name, w), v in zip(ours.named_parameters(), padded.parameters()):
         assert torch.equal(w.main_grad, v.main_grad), name
+
+
+def test_weight_layouts_give_the_same_bits():
+    """One [G, N, K] parameter per linear or G [N, K] ones: the same kernels on the same bytes, so the same bits
+    (output, dx, dprobs, every expert's weight gradient)."""
+    g, h, f = 16, 512, 256
+    torch.manual_seed(0)
+    stacked = GroupedFP8MLP(g, h, f, device=DEV)
+    per_expert = GroupedFP8MLP(g, h, f, weight_layout="per_expert", device=DEV)
+    per_expert.load_state_dict(stacked.state_dict())  # `weight` split into weight0..weight15
+    for dist, seed in (("paper", 31), ("with_empty", 32)):
+        inputs = _inputs(make_group_sizes(3000, g, dist, seed=seed), h, seed=seed)
+        a, b = _step(stacked, *inputs), _step(per_expert, *inputs)
+        assert all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
+        for lin_a, lin_b in ((stacked.linear_fc1, per_expert.linear_fc1), (stacked.linear_fc2, per_expert.linear_fc2)):
+            grads_a, grads_b = lin_a.expert_grads(), lin_b.expert_grads()
+            assert len(grads_a) == len(grads_b) == g
+            assert all(torch.equal(u, v) for u, v in zip(grads_a, grads_b))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "squared_relu"])
