@@ -13,18 +13,20 @@ read on the host) and the permuted routing probs `[T]` -- and returns `(out, Non
 
 Two parameter layouts (`weight_layout`), the two of Megatron's expert modules:
 * `"stacked"` (the default): one parameter per linear, `linear_fc1.weight` `[G, 2F or F, H]` and `linear_fc2.weight`
-  `[G, H, F]`, as Megatron's `GroupedMLP` keeps its experts in one tensor. One autograd leaf per linear: the
-  step's host cost does not grow with the number of experts (with G parameters it is ~6 us per expert weight:
-  the engine's AccumulateGrad node, the gradient's split, `zero_grad`), which is what keeps many-expert layers
-  (G = 128) GPU-bound. A Megatron `main_grad` is then one `[G, N, K]` FP32 buffer that wgrad accumulates into.
-* `"per_expert"`: `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one per expert, the names
-  and shapes of Transformer Engine's `GroupedLinear` (Megatron's `TEGroupedMLP`), for code that wants one parameter
-  per expert. Each linear allocates its G weights as consecutive slices of one storage, so that the FP8 path
-  stacks them for free (megatron_tma.autograd); moving the module with `.to()` re-allocates them one by one, which
-  stays correct but costs one stacking copy per weight version: build it on its device instead (`device=`).
-Both layouts load either layout's state dict (`weight{i}` keys are stacked on load, a `weight` key is split), so
-checkpoints stay interchangeable with each other and with Transformer Engine's names; each saves its own keys. Both
-initialize expert by expert (`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
+  `[G, H, F]`, as Megatron's `GroupedMLP` keeps its experts in one tensor (the state dict still has one key per
+  expert, below). One autograd leaf per linear: the step's host cost does not grow with the number of experts
+  (with G parameters it is ~6 us per expert weight: the engine's AccumulateGrad node, the gradient's split,
+  `zero_grad`), which is what keeps many-expert layers (G = 128) GPU-bound. A Megatron `main_grad` is then one
+  `[G, N, K]` FP32 buffer that wgrad accumulates into.
+* `"per_expert"`: `linear_fc1.weight{i}` `[2F or F, H]` and `linear_fc2.weight{i}` `[H, F]`, one parameter per expert,
+  as Transformer Engine's `GroupedLinear` (Megatron's `TEGroupedMLP`), for code that wants a parameter per expert.
+  Each linear allocates its G weights as consecutive slices of one storage, so that the FP8 path stacks them for
+  free (megatron_tma.autograd); moving the module with `.to()` re-allocates them one by one, which stays correct
+  but costs one stacking copy per weight version: build it on its device instead (`device=`).
+Both layouts save and load the same state dict, Transformer Engine's keys `linear_fc1.weight{i}` `[2F or F, H]` and
+`linear_fc2.weight{i}` `[H, F]` (a stacked module saves its parameter's G slices and copies G tensors into it), so
+checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Both initialize expert by expert
+(`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
 
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
@@ -94,7 +96,6 @@ class _GroupedWeights(nn.Module):
             self._weight_names = tuple(f"weight{i}" for i in range(num_groups))
             for name, w in zip(self._weight_names, storage):
                 self.register_parameter(name, nn.Parameter(w))
-        self.register_load_state_dict_pre_hook(_GroupedWeights._convert_loaded_layout)
         self.reset_parameters(init_method)
 
     @property
@@ -120,20 +121,45 @@ class _GroupedWeights(nn.Module):
             for w in self.expert_weights():
                 (init_method or _default_init)(w)
 
-    @staticmethod
-    def _convert_loaded_layout(module, state_dict, prefix, *_):
-        """Rewrite the other layout's keys into this one's before loading (a copy per weight; nothing on the
-        training path)."""
-        g = module.num_groups
-        stacked_key, expert_keys = prefix + "weight", [f"{prefix}weight{i}" for i in range(g)]
-        if module.weight_layout == "stacked" and stacked_key not in state_dict and expert_keys[0] in state_dict:
-            if all(k in state_dict for k in expert_keys):  # else leave them: load_state_dict reports what is off
-                state_dict[stacked_key] = torch.stack([state_dict.pop(k) for k in expert_keys])
-        elif module.weight_layout == "per_expert" and stacked_key in state_dict and expert_keys[0] not in state_dict:
-            stacked = state_dict[stacked_key]
-            if isinstance(stacked, torch.Tensor) and stacked.dim() == 3 and stacked.shape[0] == g:
-                del state_dict[stacked_key]
-                state_dict.update(zip(expert_keys, stacked.unbind(0)))
+    # Checkpoints: both layouts save and load Transformer Engine's keys, `weight{i}` `[N, K]` per expert (DESIGN.md
+    # §6: checkpoints stay interchangeable), so a stacked module saves its parameter as G slices and loads G tensors
+    # into it. The per-expert layout needs nothing beyond nn.Module's own behaviour.
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.weight_layout == "per_expert":
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight = self.weight if keep_vars else self.weight.detach()
+        for i, w in enumerate(weight.unbind(0)):  # views: torch.save writes the shared storage once
+            destination[f"{prefix}weight{i}"] = w
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.weight_layout == "per_expert":
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        keys = [f"{prefix}weight{i}" for i in range(self.num_groups)]
+        shape = (self.out_features, self.in_features)
+        missing = [k for k in keys if k not in state_dict]
+        missing_keys.extend(missing)
+        loaded = []
+        for i, key in enumerate(keys):
+            value = state_dict.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
+                                  f"the shape in current model is {shape}.")
+                continue
+            loaded.append((i, value))
+        if not missing and len(loaded) == len(keys):  # all or nothing: no half-loaded layer
+            with torch.no_grad():
+                for i, value in loaded:
+                    self.weight[i].copy_(value)
+        if strict:
+            own = set(keys)
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own
+                                   and "." not in k[len(prefix):])
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "

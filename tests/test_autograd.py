@@ -14,6 +14,8 @@ Accuracy has two references, both float64 autograd:
   Gaussian data the diff is 1.3e-3 - 2.1e-3 (measured; SwiGLU and power-of-two scales are the upper end, ~2e-3).
   FP8_NOISE_TOL = 3e-3.
 """
+import io
+
 import pytest
 import torch
 from _activation64 import act64
@@ -508,12 +510,18 @@ def test_parameter_names_and_shapes():
 
 
 @pytest.mark.parametrize("cls", [GroupedFP8MLP, GroupedBF16MLP])
-def test_state_dicts_load_across_weight_layouts(gen, cls):
-    """A per-expert state dict (Transformer Engine's `weight{i}` names) loads into the stacked layout and back,
-    and both modules then compute the same thing."""
+def test_state_dicts_are_per_expert_in_both_layouts(gen, cls):
+    """Both layouts save and load Transformer Engine's keys (`weight{i}` [N, K]), so a checkpoint of either loads
+    into the other (also through torch.save), and both modules then compute the same thing."""
     stacked, per_expert = _mlp(seed=1, cls=cls), _mlp(seed=2, cls=cls, weight_layout="per_expert")
-    per_expert.load_state_dict(stacked.state_dict())
-    assert set(per_expert.state_dict()) == {f"linear_fc{j}.weight{i}" for j in (1, 2) for i in range(G)}
+    te_keys = {f"linear_fc1.weight{i}": (2 * FFN, H) for i in range(G)}
+    te_keys.update({f"linear_fc2.weight{i}": (H, FFN) for i in range(G)})
+    for module in (stacked, per_expert):
+        assert {k: tuple(v.shape) for k, v in module.state_dict().items()} == te_keys
+    buf = io.BytesIO()
+    torch.save(stacked.state_dict(), buf)
+    buf.seek(0)
+    per_expert.load_state_dict(torch.load(buf))
     for lin_s, lin_p in ((stacked.linear_fc1, per_expert.linear_fc1), (stacked.linear_fc2, per_expert.linear_fc2)):
         assert all(torch.equal(a, b) for a, b in zip(lin_s.expert_weights(), lin_p.expert_weights()))
     with torch.no_grad():
@@ -522,11 +530,28 @@ def test_state_dicts_load_across_weight_layouts(gen, cls):
     assert torch.equal(stacked.linear_fc2.weight[3], per_expert.linear_fc2.weight3)
     x, sizes, p = _inputs([50, 0, 70, 36], gen)
     assert torch.equal(stacked(x, sizes, p)[0], per_expert(x, sizes, p)[0])
-    # an incomplete per-expert dict is not stacked: load_state_dict names what is missing and unexpected
-    partial = {k: v for k, v in per_expert.state_dict().items() if k != "linear_fc1.weight2"}
-    missing_then_unexpected = r"(?s)Missing key\(s\).*\"linear_fc1\.weight\".*Unexpected key\(s\).*weight0"
-    with pytest.raises(RuntimeError, match=missing_then_unexpected):
-        stacked.load_state_dict(partial)
+
+
+def test_stacked_layout_load_errors():
+    """A stacked module reports a checkpoint's missing, unexpected and mis-shaped expert weights as nn.Module does,
+    and loads a linear all or nothing."""
+    module, good = _mlp(seed=1), _mlp(seed=2).state_dict()
+    before = module.linear_fc1.weight.detach().clone()
+    partial = {k: v for k, v in good.items() if k != "linear_fc1.weight2"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "linear_fc1\.weight2"'):
+        module.load_state_dict(partial)
+    result = module.load_state_dict(partial, strict=False)
+    assert result.missing_keys == ["linear_fc1.weight2"] and not result.unexpected_keys
+    assert torch.equal(module.linear_fc1.weight, before)  # fc1 untouched ...
+    assert torch.equal(module.linear_fc2.weight[1], good["linear_fc2.weight1"])  # ... fc2 loaded
+    extra = dict(good, **{f"linear_fc1.weight{G}": good["linear_fc1.weight0"], "linear_fc2.weight": before})
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "linear_fc1\.weight4", '
+                                           r'"linear_fc2\.weight"'):
+        module.load_state_dict(extra)
+    bad = dict(good, **{"linear_fc2.weight1": torch.zeros(H, FFN + 1)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for linear_fc2\.weight1: copying a param with shape "
+                                           r"\(256, 129\) from checkpoint, the shape in current model is \(256, 128\)"):
+        module.load_state_dict(bad)
 
 
 def test_weight_layouts_give_the_same_gradients(one_thread, gen):

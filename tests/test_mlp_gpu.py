@@ -128,7 +128,7 @@ def test_weight_layouts_give_the_same_bits():
     torch.manual_seed(0)
     stacked = GroupedFP8MLP(g, h, f, device=DEV)
     per_expert = GroupedFP8MLP(g, h, f, weight_layout="per_expert", device=DEV)
-    per_expert.load_state_dict(stacked.state_dict())  # `weight` split into weight0..weight15
+    per_expert.load_state_dict(stacked.state_dict())  # both save weight0..weight15
     for dist, seed in (("paper", 31), ("with_empty", 32)):
         inputs = _inputs(make_group_sizes(3000, g, dist, seed=seed), h, seed=seed)
         a, b = _step(stacked, *inputs), _step(per_expert, *inputs)
