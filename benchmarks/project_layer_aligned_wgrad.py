@@ -121,7 +121,8 @@ def main():
         row = run_row(model, G, M, seed, args.iters)
         rows.append(row)
         print(f"{model:>14} G={G:3d} M={M:6d}: step {row['step_ms']:.3f} ms, "
-              f"wgrad fc1 {row['fc1_wgrad_realigning_ms']:.3f} -> {row['fc1_wgrad_aligned_ms']:.3f}, fc2 {row['fc2_wgrad_realigning_ms']:.3f} -> "
+              f"wgrad fc1 {row['fc1_wgrad_realigning_ms']:.3f} -> {row['fc1_wgrad_aligned_ms']:.3f}, "
+              f"fc2 {row['fc2_wgrad_realigning_ms']:.3f} -> "
               f"{row['fc2_wgrad_aligned_ms']:.3f} (bits {row['fc1_aligned_bitexact'] and row['fc2_aligned_bitexact']})"
               f", projected {row['projected_ms']:.3f} ms; vs TE FP8 x{row['speedup_vs_te_fp8_reported']:.2f} -> "
               f"x{row['projected_speedup_vs_te_fp8_reported']:.2f}", flush=True)
