@@ -137,6 +137,8 @@ class _GroupedWeights(nn.Module):
         if self.weight_layout == "per_expert":
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
+        for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module does: they may rename or convert keys
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         keys = [f"{prefix}weight{i}" for i in range(self.num_groups)]
         shape = (self.out_features, self.in_features)
         missing = [k for k in keys if k not in state_dict]

@@ -554,6 +554,28 @@ def test_stacked_layout_load_errors():
         module.load_state_dict(bad)
 
 
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_load_pre_hooks_see_per_expert_keys(weight_layout):
+    """A load_state_dict pre-hook (e.g. one that migrates old key names) runs in both layouts and sees the
+    per-expert keys."""
+    module, source = _mlp(seed=1, weight_layout=weight_layout), _mlp(seed=2)
+    old_names = {k.replace(".weight", ".expert_w"): v for k, v in source.state_dict().items()}
+    seen = []
+
+    def migrate(mod, state_dict, prefix, *_):
+        seen.append(prefix)
+        for i in range(mod.num_groups):
+            if f"{prefix}expert_w{i}" in state_dict:
+                state_dict[f"{prefix}weight{i}"] = state_dict.pop(f"{prefix}expert_w{i}")
+
+    for lin in (module.linear_fc1, module.linear_fc2):
+        lin.register_load_state_dict_pre_hook(migrate)
+    module.load_state_dict(old_names)
+    assert seen == ["linear_fc1.", "linear_fc2."]
+    for lin_m, lin_s in ((module.linear_fc1, source.linear_fc1), (module.linear_fc2, source.linear_fc2)):
+        assert all(torch.equal(a, b) for a, b in zip(lin_m.expert_weights(), lin_s.expert_weights()))
+
+
 def test_weight_layouts_give_the_same_gradients(one_thread, gen):
     """One [G, N, K] parameter or G [N, K] ones: the same Function on the same bytes, the same bits."""
     stacked, per_expert = _mlp(), _mlp(weight_layout="per_expert")
