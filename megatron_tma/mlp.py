@@ -158,10 +158,9 @@ class _GroupedWeights(nn.Module):
             with torch.no_grad():
                 for i, value in loaded:
                     self.weight[i].copy_(value)
-        if strict:
+        if strict:  # as nn.Module: any other key under this module's prefix (it has no submodules)
             own = set(keys)
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own
-                                   and "." not in k[len(prefix):])
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own)
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "

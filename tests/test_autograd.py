@@ -544,10 +544,15 @@ def test_stacked_layout_load_errors():
     assert result.missing_keys == ["linear_fc1.weight2"] and not result.unexpected_keys
     assert torch.equal(module.linear_fc1.weight, before)  # fc1 untouched ...
     assert torch.equal(module.linear_fc2.weight[1], good["linear_fc2.weight1"])  # ... fc2 loaded
-    extra = dict(good, **{f"linear_fc1.weight{G}": good["linear_fc1.weight0"], "linear_fc2.weight": before})
+    extra = dict(good, **{f"linear_fc1.weight{G}": good["linear_fc1.weight0"], "linear_fc2.weight": before,
+                          "linear_fc2.w.x": before})
     with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "linear_fc1\.weight4", '
-                                           r'"linear_fc2\.weight"'):
+                                           r'"linear_fc2\.weight", "linear_fc2\.w\.x"'):
         module.load_state_dict(extra)
+    per_expert = _mlp(seed=3, weight_layout="per_expert")  # the same report from nn.Module itself
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "linear_fc1\.weight4", '
+                                           r'"linear_fc2\.weight", "linear_fc2\.w\.x"'):
+        per_expert.load_state_dict(extra)
     bad = dict(good, **{"linear_fc2.weight1": torch.zeros(H, FFN + 1)})
     with pytest.raises(RuntimeError, match=r"size mismatch for linear_fc2\.weight1: copying a param with shape "
                                            r"\(256, 129\) from checkpoint, the shape in current model is \(256, 128\)"):
