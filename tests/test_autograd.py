@@ -581,6 +581,50 @@ def test_load_pre_hooks_see_per_expert_keys(weight_layout):
         assert all(torch.equal(a, b) for a, b in zip(lin_m.expert_weights(), lin_s.expert_weights()))
 
 
+def _accumulate_grad_leaves(out):
+    """The leaves the autograd engine will visit (its AccumulateGrad nodes) in the graph behind `out`."""
+    seen, stack, leaves = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "AccumulateGrad":
+            leaves.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+@pytest.mark.parametrize("g", [4, 16])
+def test_stacked_layout_has_one_autograd_leaf_per_linear(gen, g):
+    """Why the stacked layout is the default: the engine visits one AccumulateGrad node per linear, not one per
+    expert (each costs host time every step; `scripts/probe_step_host_cpu.py` measures it)."""
+    x = torch.randn(64 * g, H, generator=gen).bfloat16().requires_grad_()
+    sizes = torch.full((g,), 64, dtype=torch.int64)
+    for layout, weights_per_linear in (("stacked", 1), ("per_expert", g)):
+        torch.manual_seed(0)
+        module = GroupedFP8MLP(g, H, FFN, backend="reference", weight_layout=layout)
+        out, _ = module(x, sizes)
+        params = {id(p) for p in module.parameters()}
+        leaves = [v for v in _accumulate_grad_leaves(out) if id(v) in params]
+        assert len(leaves) == 2 * weights_per_linear == len(params)
+
+
+def test_host_probe_runs_on_the_cpu():
+    """scripts/probe_step_host_cpu.py (fake ops in its own process) runs and reports a time."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "probe_step_host_cpu.py"
+    res = subprocess.run([sys.executable, str(script), "--G", "4", "--steps", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    match = re.search(r"G=4 stacked: ([0-9.]+) ms of host time per step", res.stdout)
+    assert match and float(match.group(1)) > 0, res.stdout
+
+
 def test_weight_layouts_give_the_same_gradients(one_thread, gen):
     """One [G, N, K] parameter or G [N, K] ones: the same Function on the same bytes, the same bits."""
     stacked, per_expert = _mlp(), _mlp(weight_layout="per_expert")
