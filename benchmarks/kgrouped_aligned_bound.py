@@ -38,6 +38,18 @@ from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm  # noqa: E4
 ALIGNED_ENV = "MEGATRON_TMA_KGROUPED_ALIGNED16"  # the experimental aligned-start kernel (BF16 out)
 
 
+def aligned16(fn):
+    """`fn` as a callable that runs with the experimental aligned-start K-grouped kernel switched on (the launcher
+    reads ALIGNED_ENV on every call). Only for groups that start on 16-token boundaries: nothing checks it."""
+    def call():
+        os.environ[ALIGNED_ENV] = "1"
+        try:
+            return fn()
+        finally:
+            del os.environ[ALIGNED_ENV]
+    return call
+
+
 def run_row(G, M, N, K, ceilings, iters, seed):
     dev = "cuda"
     T = max(128, round(M / G / 128) * 128)  # balanced, aligned tokens per group
@@ -60,12 +72,8 @@ def run_row(G, M, N, K, ceilings, iters, seed):
     main_grad = torch.zeros(G, N, K, device=dev)
     out_a = torch.empty(G, N, K, dtype=torch.bfloat16, device=dev)
 
-    def aligned_kernel():  # the experimental kernel for 16-aligned group starts (these groups start 128-aligned)
-        os.environ[ALIGNED_ENV] = "1"
-        try:
-            return k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out_a)
-        finally:
-            del os.environ[ALIGNED_ENV]
+    # the experimental kernel for 16-aligned group starts (these groups start 128-aligned)
+    aligned_kernel = aligned16(lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=out_a))
 
     fns = {
         "aligned_bound": lambda: m_grouped_fp8_gemm(a, a_s, b, b_s, rows_per_group, out=out_m),

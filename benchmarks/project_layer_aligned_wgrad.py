@@ -27,22 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_mlp_layer as bml  # noqa: E402
 import common  # noqa: E402
 
+from kgrouped_aligned_bound import aligned16  # noqa: E402
+
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
-
-ALIGNED_ENV = "MEGATRON_TMA_KGROUPED_ALIGNED16"
-
-
-def aligned_call(fn):
-    def call():
-        os.environ[ALIGNED_ENV] = "1"
-        try:
-            return fn()
-        finally:
-            del os.environ[ALIGNED_ENV]
-    return call
 
 
 def wgrad_pair(sizes, n, k, gen, iters):
@@ -63,7 +53,7 @@ def wgrad_pair(sizes, n, k, gen, iters):
     dyt16, dys16, xt16, xs16, s16 = ops["rounded"]
     fns = {
         "realigning": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, s, out=out_r),
-        "aligned": aligned_call(lambda: k_grouped_fp8_gemm(dyt16, dys16, xt16, xs16, s16, out=out_a)),
+        "aligned": aligned16(lambda: k_grouped_fp8_gemm(dyt16, dys16, xt16, xs16, s16, out=out_a)),
     }
     times = common.bench_interleaved(fns, iters=iters)
     bits = torch.equal(fns["aligned"]().clone(), k_grouped_fp8_gemm(dyt16, dys16, xt16, xs16, s16,
@@ -102,10 +92,6 @@ def run_row(model, G, M, seed, iters):
     return row
 
 
-def geomean(xs):
-    return float(torch.tensor(xs, dtype=torch.float64).log().mean().exp())
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=25)
@@ -129,8 +115,8 @@ def main():
     summary = {
         "min_vs_te_fp8_reported": min(r["speedup_vs_te_fp8_reported"] for r in rows),
         "projected_min_vs_te_fp8_reported": min(r["projected_speedup_vs_te_fp8_reported"] for r in rows),
-        "geomean_vs_te_fp8_reported": geomean([r["speedup_vs_te_fp8_reported"] for r in rows]),
-        "projected_geomean_vs_te_fp8_reported": geomean([r["projected_speedup_vs_te_fp8_reported"] for r in rows]),
+        "geomean_vs_te_fp8_reported": bml.geomean([r["speedup_vs_te_fp8_reported"] for r in rows]),
+        "projected_geomean_vs_te_fp8_reported": bml.geomean([r["projected_speedup_vs_te_fp8_reported"] for r in rows]),
         "all_aligned_bitexact": all(r["fc1_aligned_bitexact"] and r["fc2_aligned_bitexact"] for r in rows),
     }
     print("summary:", {k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()})

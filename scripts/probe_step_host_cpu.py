@@ -19,8 +19,12 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+import bench_mlp_layer as bml  # noqa: E402
+
 from megatron_tma import _ext, quant  # noqa: E402
+from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 
 def _fake_ops():
@@ -58,25 +62,15 @@ def install_fake_ops():
 
 
 def make_step(G, layout, M=2048, H=2048, F=768):
-    from megatron_tma.mlp import GroupedFP8MLP
-
+    """The layer benchmark's step (fresh gradients, weights re-quantized) on CPU tensors."""
     torch.manual_seed(0)
     module = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=layout)
-    x = torch.randn(M, H).bfloat16().requires_grad_()
     sizes = torch.full((G,), M // G, dtype=torch.int64)
     sizes[-1] += M - int(sizes.sum())
+    x = torch.randn(M, H).bfloat16().requires_grad_()
     probs = torch.rand(M).requires_grad_()
     dy = torch.randn(M, H).bfloat16()
-
-    def step():  # as bench_mlp_layer.Step: fresh gradients, weights re-quantized
-        x.grad = probs.grad = None
-        module.zero_grad(set_to_none=True)
-        module.invalidate_weight_cache()
-        out, _ = module(x, sizes, probs)
-        out.backward(dy)
-        return out
-
-    return step
+    return bml.Step(module, x, sizes, probs, dy, requantize=True)
 
 
 def host_ms_per_step(step, steps, reps=7):
