@@ -1,0 +1,25 @@
+"""Megatron-core integration: megatron_tma's expert MLPs as the experts of Megatron's `MoELayer`.
+
+* `config` (no Megatron import): which expert MLP a `TransformerConfig` describes, and the refusals;
+* `experts`: the experts builder and modules (`megatron_experts`, modes in `MODES`); megatron-core only to draw
+  the initial weights under its RNG tracker;
+* `spec`: the switch in a layer spec (`use_megatron_tma_experts`, `layer_spec_from_config`, the config flag); it
+  imports megatron-core (0.19) and loads when first used. The recipe that trains a small MoE GPT with
+each mode under torchrun and compares them is `recipes/moe_gpt.py`.
+"""
+import importlib
+
+from .config import CONFIG_FLAG, MODES, ExpertMLPArgs, expert_mlp_args, pad_to_of
+from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
+
+__all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "megatron_experts", "MegatronFP8Experts",
+           "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG", "use_megatron_tma_experts",
+           "layer_spec_from_config"]
+
+_LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

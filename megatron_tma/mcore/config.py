@@ -1,0 +1,85 @@
+"""What a Megatron `TransformerConfig` asks of the experts, in the terms of `megatron_tma.mlp` (no Megatron import).
+
+`expert_mlp_args(config)` reads the fields that decide the expert MLP and refuses, with the field's name, every
+setting the FP8 experts do not implement, instead of training something else silently. It only reads attributes,
+so any object with Megatron's field names can be checked (the CPU tests do that without Megatron installed).
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["CONFIG_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of"]
+
+# The experts a Megatron layer spec can be given (megatron_tma.mcore.spec): the unpadded FP8 MLP, its padded twin
+# (every expert's tokens padded to 16 or 128 rows, the same FP8 Functions: the bit-exactness oracle), and the same
+# MLP with BF16 GEMMs.
+MODES = ("unpadded", "padded16", "padded128", "bf16")
+# The config flag: a TransformerConfig attribute, None (Megatron's own experts) or one of MODES
+# (megatron_tma.mcore.spec.layer_spec_from_config reads it).
+CONFIG_FLAG = "moe_megatron_tma_experts"
+
+
+class ExpertMLPArgs(NamedTuple):
+    hidden_size: int
+    ffn_hidden_size: int
+    activation: str  # one of megatron_tma.mlp.ACTIVATIONS
+
+
+def pad_to_of(mode: str) -> Optional[int]:
+    """The padded twin's row alignment of a mode (None: unpadded, or not an FP8 mode)."""
+    if mode not in MODES:
+        raise ValueError(f"experts mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return {"padded16": 16, "padded128": 128}.get(mode)
+
+
+def _activation_of(config) -> str:
+    func = getattr(config, "activation_func", None)
+    name = getattr(func, "__name__", repr(func))
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    if gated and func is torch.nn.functional.silu:
+        return "swiglu"
+    if not gated and func is torch.nn.functional.gelu:
+        return "gelu"
+    if not gated and name == "squared_relu":  # megatron.core.activations.squared_relu
+        return "squared_relu"
+    raise ValueError(
+        "the FP8 experts implement SwiGLU (gated_linear_unit=True, activation_func=F.silu), GELU "
+        "(gated_linear_unit=False, activation_func=F.gelu) and squared ReLU (gated_linear_unit=False, "
+        f"activation_func=squared_relu); the config has gated_linear_unit={gated}, activation_func={name}"
+    )
+
+
+def expert_mlp_args(config) -> ExpertMLPArgs:
+    """The expert MLP a Megatron MoE config describes, or a ValueError naming the unsupported field."""
+
+    def refuse(field: str, why: str):
+        raise ValueError(f"config.{field}={getattr(config, field)!r}: {why}")
+
+    if not getattr(config, "num_moe_experts", None):
+        refuse("num_moe_experts", "not a mixture-of-experts config")
+    if getattr(config, "add_bias_linear", False):
+        refuse("add_bias_linear", "the FP8 experts have no biases (set add_bias_linear=False)")
+    if getattr(config, "moe_latent_size", None) is not None:
+        refuse("moe_latent_size", "latent expert projections are not implemented")
+    if getattr(config, "moe_apply_probs_on_input", False):
+        refuse("moe_apply_probs_on_input", "the probs are applied after the activation, in FP32 (DESIGN.md)")
+    if (getattr(config, "expert_tensor_parallel_size", None) or 1) != 1:
+        refuse("expert_tensor_parallel_size", "the experts are not split over tensor-parallel ranks: use 1 "
+               "(expert parallelism, expert_model_parallel_size, is supported)")
+    if getattr(config, "activation_func_clamp_value", None) is not None:
+        refuse("activation_func_clamp_value", "clamped GLU inputs are not implemented")
+    if getattr(config, "glu_linear_offset", 0.0):
+        refuse("glu_linear_offset", "a GLU linear offset is not implemented")
+    if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
+        refuse("moe_mlp_glu_interleave_size", "the gate half comes first (Megatron's default layout)")
+    if getattr(config, "params_dtype", torch.bfloat16) != torch.bfloat16:
+        refuse("params_dtype", "the expert weights are BF16 (the FP8 copies are made from them)")
+    hidden = int(config.hidden_size)
+    ffn = getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size
+    for field, value in (("hidden_size", hidden), ("moe_ffn_hidden_size", ffn)):
+        if value <= 0 or value % 128:
+            raise ValueError(
+                f"config.{field}={value}: must be a positive multiple of 128 (every FP8 GEMM of the experts "
+                "contracts over the hidden or the expert FFN size in 128-wide scaling blocks)"
+            )
+    return ExpertMLPArgs(hidden, int(ffn), _activation_of(config))

@@ -1,0 +1,128 @@
+"""Megatron-core MoE experts on megatron_tma's expert MLPs: what `MoELayer` builds when a layer spec asks for them.
+
+`megatron_experts(num_local_experts, config, pg_collection=..., name=..., mode=...)` has the signature of Megatron's
+experts builders (`ExpertsBuilder` in `megatron/core/transformer/moe/moe_layer.py`) and returns an expert MLP with
+`TEGroupedMLP`'s forward contract: `(permuted tokens [T, H], tokens per local expert [G], permuted probs [T]) ->
+(out [T, H], None)`. The modes (`megatron_tma.mcore.config.MODES`):
+* `"unpadded"`: `megatron_tma.mlp.GroupedFP8MLP`, the FP8 blockwise recipe of DESIGN.md without padding; this is
+  what replaces Megatron's padded FP8 expert path (`TEGroupedMLP` behind `Fp8Padding`, 16 rows per expert);
+* `"padded16"`, `"padded128"`: its padded twin, the same FP8 Functions on every expert padded to 16 / 128 rows
+  (Transformer Engine's and DeepGEMM's alignments): equal to `"unpadded"` bit for bit, which the recipe checks;
+* `"bf16"`: the same MLP with BF16 `torch._grouped_mm` GEMMs.
+
+What the Megatron side needs, and where it is done here:
+* Parameters: one `[G, N, K]` BF16 weight per linear (`linear_fc1.weight`, `linear_fc2.weight`), initialized expert
+  by expert with `config.init_method` / `config.output_layer_init_method` under the expert-parallel RNG tracker, as
+  Megatron's expert linears are; the state dict has Transformer Engine's keys `linear_fc{1,2}.weight{i}`.
+  `allreduce` is False when expert parallelism is on, so that Megatron's DDP reduces their gradients over the
+  expert-data-parallel group, as it does for its own experts.
+* Gradients: into `main_grad` when Megatron's DDP gives the weight one (the K-grouped GEMM accumulates into the
+  FP32 buffer), with `grad_added_to_main_grad` set (megatron_tma.autograd).
+* The FP8 weight cache. Megatron's optimizers write the new weights through `param.data` (or into the DDP buffer
+  the parameters view), which no version counter sees, and Megatron sets `is_first_microbatch` only when
+  `config.fp8` is set (Transformer Engine's FP8). So the cache here is invalidated by Megatron's own per-iteration
+  signal: `DistributedDataParallel.zero_grad_buffer()` resets `grad_added_to_main_grad` to False on every weight at
+  the start of each iteration, and the backward sets it to True. A forward that finds it False re-quantizes (every
+  micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up, re-quantizes too: the same
+  bits again). Weights without the attribute (no Megatron DDP) rely on the version counter, which PyTorch's
+  optimizers do move; `invalidate_fp8_weights(model)` is there for any other update path.
+Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
+probs applied on the input, clamped or offset GLUs; Megatron's distributed checkpointing (`sharded_state_dict`) of
+these experts (save and load the plain state dict).
+Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
+module itself runs, and is tested, without it.
+"""
+from typing import Optional
+
+import torch
+
+from ..mlp import GroupedBF16MLP, GroupedFP8MLP
+from .config import expert_mlp_args, pad_to_of
+
+__all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
+
+
+class _MegatronExperts:
+    """What Megatron asks of an experts module beyond the MLP itself (mixed into the two MLP classes)."""
+
+    def _setup_for_megatron(self, config) -> None:
+        self.config = config
+        if getattr(config, "perform_initialization", True):
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+            # Megatron initializes expert weights under the expert-parallel RNG state, so that expert-parallel ranks
+            # draw different experts and the dense layers stay identical across them.
+            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                self.linear_fc1.reset_parameters(config.init_method)
+                self.linear_fc2.reset_parameters(config.output_layer_init_method)
+        expert_pgs = (getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or (
+            (getattr(config, "expert_tensor_parallel_size", None) or 1)
+            != (getattr(config, "tensor_model_parallel_size", 1) or 1))
+        for param in self.parameters():
+            param.allreduce = not expert_pgs  # Megatron's mark: reduce over the expert-data-parallel group
+            # Not split over tensor-parallel ranks (Megatron's defaults for a replicated parameter).
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = False, -1, 1
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: Optional[torch.Tensor] = None, **kwargs):
+        unsupported = {k: v for k, v in kwargs.items() if v is not None}
+        if unsupported:
+            raise NotImplementedError(
+                f"megatron_tma experts do not take {', '.join(sorted(unsupported))} (Transformer Engine's fused "
+                "op path and inference routing)"
+            )
+        x = permuted_local_hidden_states
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device != x.device:
+            # Megatron's dispatchers may keep the counts on the host; the kernels read them on the device only.
+            tokens_per_expert = tokens_per_expert.to(x.device, non_blocking=True)
+        return super().forward(x, tokens_per_expert, permuted_probs)
+
+    def backward_dw(self) -> None:
+        raise NotImplementedError("megatron_tma experts compute weight gradients in the backward itself "
+                                  "(config.delay_wgrad_compute is not supported)")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        raise NotImplementedError(
+            "Megatron's distributed checkpointing of megatron_tma experts is not implemented; the plain state dict "
+            "(Transformer Engine's keys linear_fc{1,2}.weight{i}) saves and loads them"
+        )
+
+
+class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
+    """The unpadded FP8 expert MLP (or its padded twin) as Megatron experts; see the module docstring."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs=None, **kwargs):
+        for linear in (self.linear_fc1, self.linear_fc2):
+            if any(getattr(w, "grad_added_to_main_grad", None) is False for w in linear.weights):
+                linear.weight_cache.invalidate()  # a new iteration: the optimizer may have written the weights
+        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
+
+
+class MegatronBF16Experts(_MegatronExperts, GroupedBF16MLP):
+    """The same expert MLP with BF16 GEMMs, as Megatron experts."""
+
+
+def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name: Optional[str] = None,
+                     mode: str = "unpadded", backend: str = "auto"):
+    """Megatron's experts builder signature (`MoESubmodules.experts`); `mode` picks the MLP (module docstring)."""
+    del pg_collection, name  # the experts need no process group of their own: the dispatcher moves the tokens
+    pad_to = pad_to_of(mode)
+    args = expert_mlp_args(config)
+    device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()
+    if mode == "bf16":
+        module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
+    else:
+        module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device)
+    module._setup_for_megatron(config)
+    return module
+
+
+def invalidate_fp8_weights(model: torch.nn.Module) -> int:
+    """Make every megatron_tma FP8 expert module in `model` re-quantize its weights in its next forward (for weight
+    updates that neither Megatron's DDP signal nor a version counter shows). Returns how many it found."""
+    found = 0
+    for module in model.modules():
+        if isinstance(module, GroupedFP8MLP):
+            module.invalidate_weight_cache()
+            found += 1
+    return found

@@ -1,0 +1,70 @@
+"""The switch in a Megatron model: a GPT layer (or block) spec whose MoE layers build megatron_tma experts.
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True)        # or the Transformer Engine spec
+    config.moe_megatron_tma_experts = "unpadded"                                  # the config flag (None: Megatron's)
+    spec = layer_spec_from_config(spec, config)                                   # = use_megatron_tma_experts(spec, ...)
+    model = GPTModel(config=config, transformer_layer_spec=spec, ...)
+
+Only the `experts` builder of each `MoELayer` changes: the router, the token dispatcher (and its all-to-all over
+expert-parallel ranks), the shared experts and the dense layers stay Megatron's. Works on the builder form of
+megatron-core 0.19 (`functools.partial(MoELayer, submodules=MoESubmodules(...))`) and on `ModuleSpec(MoELayer, ...)`.
+"""
+import copy
+import dataclasses
+import functools
+from typing import Optional
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from .config import CONFIG_FLAG, MODES
+from .experts import megatron_experts
+
+__all__ = ["use_megatron_tma_experts", "layer_spec_from_config"]
+
+
+def _is_moe(builder) -> bool:
+    module = builder.func if isinstance(builder, functools.partial) else getattr(builder, "module", None)
+    return isinstance(module, type) and issubclass(module, MoELayer)
+
+
+def _swap_experts(builder, experts):
+    if isinstance(builder, functools.partial):  # partial(MoELayer, submodules=MoESubmodules(...))
+        subs = dataclasses.replace(builder.keywords["submodules"], experts=experts)
+        return functools.partial(builder.func, *builder.args, **{**builder.keywords, "submodules": subs})
+    spec = copy.copy(builder)  # ModuleSpec(module=MoELayer, submodules=MoESubmodules(...))
+    spec.submodules = dataclasses.replace(builder.submodules, experts=experts)
+    return spec
+
+
+def _swap_layer(layer_spec, experts):
+    subs = getattr(layer_spec, "submodules", None)
+    if subs is None or not _is_moe(getattr(subs, "mlp", None)):
+        return layer_spec, 0  # a dense layer (e.g. moe_layer_freq): unchanged
+    new = copy.copy(layer_spec)
+    new.submodules = dataclasses.replace(subs, mlp=_swap_experts(subs.mlp, experts))
+    return new, 1
+
+
+def use_megatron_tma_experts(spec, mode: Optional[str], backend: str = "auto"):
+    """A copy of `spec` (a TransformerLayer `ModuleSpec`, or a `TransformerBlockSubmodules` with `layer_specs`)
+    whose MoE layers build `megatron_tma.mcore.experts` in `mode`; `mode=None` returns `spec` itself. Raises if
+    the spec has no MoE layer (the flag would silently do nothing)."""
+    if mode is None:
+        return spec
+    if mode not in MODES:
+        raise ValueError(f"{CONFIG_FLAG} must be None or one of {', '.join(MODES)}, got {mode!r}")
+    experts = functools.partial(megatron_experts, mode=mode, backend=backend)
+    if hasattr(spec, "layer_specs"):
+        layers = [_swap_layer(s, experts) for s in spec.layer_specs]
+        swapped = sum(n for _, n in layers)
+        new = dataclasses.replace(spec, layer_specs=[s for s, _ in layers])
+    else:
+        new, swapped = _swap_layer(spec, experts)
+    if not swapped:
+        raise ValueError("the spec has no MoE layer whose experts could be replaced (build it with num_experts)")
+    return new
+
+
+def layer_spec_from_config(spec, config, backend: str = "auto"):
+    """`use_megatron_tma_experts(spec, config.moe_megatron_tma_experts)`: the config flag, None when unset."""
+    return use_megatron_tma_experts(spec, getattr(config, CONFIG_FLAG, None), backend)

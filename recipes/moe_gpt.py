@@ -1,0 +1,255 @@
+"""Train a small MoE GPT with Megatron-core once per experts mode, on the same data from the same initial weights,
+and check that the unpadded FP8 experts train exactly like their padded twins.
+
+    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 4 modes x 200 steps
+    torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
+
+Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
+router with its aux loss, the all-to-all token dispatcher), Float16Module, Megatron's DDP with FP32 gradient
+buffers (`main_grad`, which the K-grouped GEMM accumulates into), Megatron's mixed-precision Adam (FP32 master
+weights copied into the BF16 parameters through `.data`, the update no version counter sees), the no-pipelining
+forward/backward schedule over `--micro-batches` micro-batches, gradient clipping. Only the MoE layers' experts are
+switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mcore.spec):
+* `unpadded`: megatron_tma's FP8 experts, no padding anywhere;
+* `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
+  Transformer Engine's and DeepGEMM's FP8 expert paths need);
+* `bf16`: the same MLP with BF16 GEMMs (the loss-curve reference).
+Data: token sequences from a fixed random bigram chain (each token has 4 likely successors), drawn on the GPU
+from one seed per rank, so every mode sees the same batches; the loss can fall from ln(vocab) towards ~1.4.
+
+Checks (rank 0; the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal
+to the unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`); the FP8 loss
+curve stays close to the BF16 one (reported, with the final-window mean gap; not a pass/fail). Writes
+`moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed import finalize_model_grads  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_tma.mcore import CONFIG_FLAG, MODES, layer_spec_from_config  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--expert-ffn", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--log-every", type=int, default=20)
+    return p.parse_args(argv)
+
+
+def bigram_batches(args, rank):
+    """All micro-batches of the run, `[steps * micro_batches, batch, seq_len + 1]` token ids from a fixed random
+    bigram chain (the chain alike on every rank, the draws per rank), made once and replayed for every mode."""
+    g = torch.Generator(device="cuda").manual_seed(args.seed)
+    succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device="cuda")
+    weights = torch.tensor([0.55, 0.25, 0.15, 0.05], device="cuda").expand(args.vocab, 4)
+    trans = torch.zeros(args.vocab, args.vocab, device="cuda").scatter_add_(1, succ, weights)
+    trans = 0.98 * trans + 0.02 / args.vocab
+    g.manual_seed(args.seed * 1000 + 1 + rank)
+    n = args.steps * args.micro_batches * args.micro_batch_size
+    tok = torch.empty(n, args.seq_len + 1, dtype=torch.long, device="cuda")
+    tok[:, 0] = torch.randint(0, args.vocab, (n,), generator=g, device="cuda")
+    for t in range(args.seq_len):  # all sequences advance together: seq_len launches in all
+        tok[:, t + 1] = torch.multinomial(trans[tok[:, t]], 1, generator=g).squeeze(1)
+    return tok.view(args.steps * args.micro_batches, args.micro_batch_size, args.seq_len + 1)
+
+
+def replay(batches):
+    pos = torch.arange(batches.shape[2] - 1, device=batches.device).expand(batches.shape[1], -1)
+    for tok in batches:
+        yield {"tokens": tok[:, :-1].contiguous(), "labels": tok[:, 1:].contiguous(), "position_ids": pos}
+
+
+def build(args, mode):
+    """Model (GPT + Float16Module + DDP) and optimizer with the experts of `mode`, from the run's seed."""
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.expert_ffn, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, expert_model_parallel_size=args.ep,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, init_method_std=0.02,
+    )
+    setattr(config, CONFIG_FLAG, mode)  # the switch: Megatron's experts -> megatron_tma's
+    spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                   max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), Float16Module(config, gpt))
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True),
+        [model])
+    return model, optimizer
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s] per token
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return losses, loss_func
+
+
+def train(args, mode, rank, batches):
+    model, optimizer = build(args, mode)
+    data = replay(batches)
+    fwd_bwd = get_forward_backward_func()
+    losses, grad_norms, times = [], [], []
+    for step in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()  # Megatron's per-iteration reset (also the experts' signal to re-quantize)
+        optimizer.zero_grad()
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
+                      num_microbatches=args.micro_batches, seq_length=args.seq_len,
+                      micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        loss = torch.stack([o["lm loss"] for o in out]).mean()
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        loss = loss.item() / parallel_state.get_data_parallel_world_size()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+        if not ok or not math.isfinite(loss):
+            raise RuntimeError(f"{mode}: step {step} failed (update ok={ok}, loss={loss})")
+        losses.append(loss)
+        grad_norms.append(float(grad_norm))
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
+                  flush=True)
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return losses, grad_norms, times, params
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    args.ep = args.ep or world
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
+    batches = bigram_batches(args, rank)
+    runs = {}
+    for mode in args.modes:
+        runs[mode] = train(args, mode, rank, batches)
+    failures, report = [], {}
+    ref = "unpadded" if "unpadded" in runs else None
+    for mode, (losses, norms, times, params) in runs.items():
+        tail = max(1, len(losses) // 10)
+        row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
+               "ms_per_step_median": sorted(times[1:] or times)[len(times[1:] or times) // 2]}
+        if ref and mode.startswith("padded"):
+            r_losses, r_norms, _, r_params = runs[ref]
+            same_loss = losses == r_losses
+            same_norm = norms == r_norms
+            same_params = params.keys() == r_params.keys() and all(torch.equal(params[k], r_params[k]) for k in params)
+            row.update(bitexact_losses=same_loss, bitexact_grad_norms=same_norm, bitexact_params=same_params)
+            if not (same_loss and same_norm and same_params):
+                first = next((i for i, (a, b) in enumerate(zip(losses, r_losses)) if a != b), None)
+                failures.append(f"{mode} differs from unpadded (losses equal: {same_loss}, first differing step "
+                                f"{first}; grad norms equal: {same_norm}; parameters equal: {same_params})")
+        if "bf16" in runs and mode != "bf16":
+            b = runs["bf16"][0]
+            row["max_abs_loss_gap_vs_bf16"] = max(abs(x - y) for x, y in zip(losses, b))
+            row["final_window_gap_vs_bf16"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
+        report[mode] = row
+    if rank == 0:
+        write_results(args, runs, report, failures, world)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+def write_results(args, runs, report, failures, world):
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
+    result = {
+        "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
+        "gpu": torch.cuda.get_device_name(), "date": stamp.isoformat(), "world_size": world,
+        "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "summary": report, "failures": failures,
+        "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
+                 for m, (losses, norms, times, _) in runs.items()
+                 for i, (l, n, t) in enumerate(zip(losses, norms, times))],
+    }
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({"summary": report, "failures": failures}, indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"unpadded": ("C0", "-", 2.5), "padded16": ("C1", "--", 1.5), "padded128": ("C3", ":", 1.5),
+              "bf16": ("C2", "-", 1.0)}
+    for mode, (losses, *_rest) in runs.items():
+        color, ls, lw = styles.get(mode, ("k", "-", 1))
+        ax.plot(losses, color=color, ls=ls, lw=lw, label=mode)
+    ax.set(xlabel="step", ylabel="LM loss", title=f"MoE GPT, Megatron-core, {world} GPU(s): loss per step")
+    ax.legend()
+    if "bf16" in runs:
+        for mode, (losses, *_rest) in runs.items():
+            if mode != "bf16":
+                color, ls, lw = styles.get(mode, ("k", "-", 1))
+                gap.plot([x - y for x, y in zip(losses, runs["bf16"][0])], color=color, ls=ls, lw=lw, label=mode)
+        gap.axhline(0, color="k", lw=0.5)
+        gap.set(xlabel="step", ylabel="loss - BF16 loss", title="FP8 experts against BF16 experts")
+        gap.legend()
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+    print("wrote", base + ".json", base + ".png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

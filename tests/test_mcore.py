@@ -1,0 +1,207 @@
+"""Megatron-core integration (megatron_tma.mcore) on the CPU: the config mapping and its refusals, the experts
+modules on the reference backend (Megatron's forward contract, parameter marks, state-dict keys, the FP8 weight
+cache's invalidation by Megatron's per-iteration signal), and, where megatron-core is installed, the spec switch.
+The whole Megatron model runs on the GPU (tests/test_mcore_gpu.py, recipes/moe_gpt.py)."""
+import importlib.util
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_tma import mcore
+from megatron_tma.mcore import expert_mlp_args, megatron_experts, pad_to_of
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+def squared_relu(x):  # the name Megatron's megatron.core.activations.squared_relu has
+    return torch.relu(x).square()
+
+
+def make_config(**kw):
+    """An object with the TransformerConfig fields the experts read (CPU: no Megatron RNG tracker, CPU weights)."""
+    base = dict(num_moe_experts=4, hidden_size=256, ffn_hidden_size=1024, moe_ffn_hidden_size=128,
+                gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
+                expert_model_parallel_size=1, expert_tensor_parallel_size=1, tensor_model_parallel_size=1,
+                use_cpu_initialization=True, perform_initialization=False)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw, activation", [
+    (dict(gated_linear_unit=True, activation_func=F.silu), "swiglu"),
+    (dict(gated_linear_unit=False, activation_func=F.gelu), "gelu"),
+    (dict(gated_linear_unit=False, activation_func=squared_relu), "squared_relu"),
+])
+def test_config_maps_activations(kw, activation):
+    args = expert_mlp_args(make_config(**kw))
+    assert args == (256, 128, activation)
+
+
+def test_config_ffn_falls_back_to_ffn_hidden_size():
+    assert expert_mlp_args(make_config(moe_ffn_hidden_size=None, ffn_hidden_size=384)).ffn_hidden_size == 384
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(num_moe_experts=None), "num_moe_experts"),
+    (dict(add_bias_linear=True), "add_bias_linear"),
+    (dict(moe_latent_size=64), "moe_latent_size"),
+    (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input"),
+    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
+    (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
+    (dict(glu_linear_offset=1.0), "glu_linear_offset"),
+    (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size"),
+    (dict(params_dtype=torch.float32), "params_dtype"),
+    (dict(hidden_size=200), "hidden_size"),
+    (dict(moe_ffn_hidden_size=96), "moe_ffn_hidden_size"),
+    (dict(gated_linear_unit=True, activation_func=F.gelu), "gated_linear_unit=True, activation_func=gelu"),
+    (dict(gated_linear_unit=False, activation_func=F.silu), "gated_linear_unit=False, activation_func=silu"),
+])
+def test_config_refusals_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
+        expert_mlp_args(make_config(**kw))
+
+
+def test_modes_and_pad_to():
+    assert [pad_to_of(m) for m in mcore.MODES] == [None, 16, 128, None]
+    with pytest.raises(ValueError, match="experts mode must be one of"):
+        pad_to_of("padded64")
+
+
+def _routed(t=50, hidden=256, sizes=(20, 0, 17, 13), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+    probs = torch.rand(t, generator=g)
+    return x, torch.tensor(sizes), probs
+
+
+@pytest.mark.parametrize("mode", mcore.MODES)
+def test_experts_follow_megatrons_contract(mode):
+    cfg = make_config()
+    experts = megatron_experts(4, cfg, pg_collection=None, name="decoder.layers.0.mlp.experts", mode=mode,
+                               backend="reference")
+    assert isinstance(experts, mcore.MegatronBF16Experts if mode == "bf16" else mcore.MegatronFP8Experts)
+    assert experts.config is cfg
+    assert experts.linear_fc1.weight.shape == (4, 256, 256) and experts.linear_fc2.weight.shape == (4, 256, 128)
+    x, sizes, probs = _routed()
+    x.requires_grad_(True)
+    out, bias = experts(x, sizes, probs)
+    assert bias is None and out.shape == x.shape and out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert x.grad is not None and experts.linear_fc1.weight.grad.shape == (4, 256, 256)
+    # Transformer Engine's state-dict keys, one per local expert
+    assert sorted(experts.state_dict()) == sorted(f"linear_fc{i}.weight{e}" for i in (1, 2) for e in range(4))
+    for p in experts.parameters():
+        assert p.allreduce is True and p.tensor_model_parallel is False  # EP = 1: reduced with the dense layers
+
+
+def test_padded_modes_equal_unpadded_on_the_reference():
+    outs = []
+    for mode in ("unpadded", "padded16", "padded128"):
+        torch.manual_seed(3)  # same initial weights (default init draws the same numbers)
+        experts = megatron_experts(4, make_config(), mode=mode, backend="reference")
+        x, sizes, probs = _routed(seed=5)
+        outs.append(experts(x, sizes, probs)[0])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_expert_parallel_marks_parameters_for_the_expert_dp_group():
+    experts = megatron_experts(4, make_config(expert_model_parallel_size=2), backend="reference")
+    assert all(p.allreduce is False for p in experts.parameters())
+    # expert TP (1) different from TP (2) also means Megatron's expert process groups
+    experts = megatron_experts(4, make_config(tensor_model_parallel_size=2), backend="reference")
+    assert all(p.allreduce is False for p in experts.parameters())
+
+
+def test_unsupported_forward_arguments_and_methods_are_refused():
+    experts = megatron_experts(4, make_config(), backend="reference")
+    x, sizes, probs = _routed()
+    with pytest.raises(NotImplementedError, match="output_buffer"):
+        experts(x, sizes, probs, output_buffer=torch.empty_like(x))
+    out_none, _ = experts(x, sizes, probs, output_buffer=None)  # Megatron passes None when it is unset
+    assert out_none.shape == x.shape
+    with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
+        experts.backward_dw()
+    with pytest.raises(NotImplementedError, match="distributed checkpointing"):
+        experts.sharded_state_dict()
+
+
+def test_fp8_cache_follows_megatrons_iteration_signal():
+    """Megatron's optimizer writes the weights through `.data` (no version counter moves). The experts re-quantize
+    when DDP's per-iteration reset left `grad_added_to_main_grad` False, and keep the FP8 copies once a backward
+    set it True."""
+    experts = megatron_experts(4, make_config(), backend="reference")
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False  # what zero_grad_buffer() sets at the start of an iteration
+    x, sizes, probs = _routed()
+    out0, _ = experts(x, sizes, probs)
+    out0.float().sum().backward()
+    assert all(w.grad_added_to_main_grad is True for w in weights)  # set by the backward (main_grad path)
+    assert all(w.main_grad.abs().sum() > 0 and w.grad is None for w in weights)
+
+    with torch.no_grad():  # "the optimizer step": through .data, invisible to the version counter
+        for w in weights:
+            w.data.mul_(-1.0)
+    # Same iteration (flag True): the cached FP8 copies are used, i.e. the old weights.
+    assert torch.equal(experts(x, sizes, probs)[0], out0)
+    # Next iteration: DDP resets the flag, the experts re-quantize and see the new weights.
+    for w in weights:
+        w.grad_added_to_main_grad = False
+    out1, _ = experts(x, sizes, probs)
+    assert not torch.equal(out1, out0)
+    torch.manual_seed(0)
+    fresh = megatron_experts(4, make_config(), backend="reference")
+    with torch.no_grad():
+        fresh.linear_fc1.weight.copy_(weights[0])
+        fresh.linear_fc2.weight.copy_(weights[1])
+    assert torch.equal(fresh(x, sizes, probs)[0], out1)
+
+
+def test_invalidate_fp8_weights_finds_every_fp8_module():
+    model = torch.nn.ModuleList([megatron_experts(4, make_config(), backend="reference"),
+                                 megatron_experts(4, make_config(), mode="bf16", backend="reference"),
+                                 megatron_experts(4, make_config(), mode="padded16", backend="reference")])
+    x, sizes, probs = _routed()
+    before = model[0](x, sizes, probs)[0]
+    with torch.no_grad():
+        model[0].linear_fc1.weight.data.mul_(2.0)  # no version bump, no Megatron flag: only the explicit call helps
+    assert torch.equal(model[0](x, sizes, probs)[0], before)
+    assert mcore.invalidate_fp8_weights(model) == 2
+    assert not torch.equal(model[0](x, sizes, probs)[0], before)
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+def test_spec_switch_replaces_only_the_experts():
+    import functools
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True)
+    new = mcore.use_megatron_tma_experts(spec, "padded16", backend="reference")
+    experts = new.submodules.mlp.keywords["submodules"].experts
+    assert isinstance(experts, functools.partial) and experts.func is megatron_experts
+    assert experts.keywords == {"mode": "padded16", "backend": "reference"}
+    old_subs = spec.submodules.mlp.keywords["submodules"]
+    new_subs = new.submodules.mlp.keywords["submodules"]
+    assert new_subs.router is old_subs.router and new_subs.shared_experts is old_subs.shared_experts
+    assert spec.submodules.mlp.keywords["submodules"].experts is not experts  # the input spec is not modified
+    assert new.submodules.self_attention is spec.submodules.self_attention
+    assert mcore.use_megatron_tma_experts(spec, None) is spec
+    with pytest.raises(ValueError, match="moe_megatron_tma_experts must be None or one of"):
+        mcore.use_megatron_tma_experts(spec, "fp8")
+    with pytest.raises(ValueError, match="no MoE layer"):
+        mcore.use_megatron_tma_experts(get_gpt_layer_local_spec(), "unpadded")
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
+                            moe_ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                            add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16)
+    assert mcore.layer_spec_from_config(spec, cfg) is spec  # flag unset: Megatron's experts
+    setattr(cfg, mcore.CONFIG_FLAG, "unpadded")
+    assert mcore.layer_spec_from_config(spec, cfg).submodules.mlp.keywords["submodules"].experts.keywords["mode"] == \
+        "unpadded"
+    assert expert_mlp_args(cfg) == (256, 128, "swiglu")  # a real TransformerConfig through the mapping
