@@ -1,7 +1,7 @@
 """Train a small MoE GPT with Megatron-core once per experts mode, on the same data from the same initial weights,
 and check that the unpadded FP8 experts train exactly like their padded twins.
 
-    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 4 modes x 200 steps
+    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 4 modes x 300 steps
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
 
 Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
@@ -14,8 +14,9 @@ switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mco
 * `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
   Transformer Engine's and DeepGEMM's FP8 expert paths need);
 * `bf16`: the same MLP with BF16 GEMMs (the loss-curve reference).
-Data: token sequences from a fixed random bigram chain (each token has 4 likely successors), drawn on the GPU
-from one seed per rank, so every mode sees the same batches; the loss can fall from ln(vocab) towards ~1.4.
+Data: token sequences from a fixed random second-order chain (each pair of tokens has 4 likely successors), drawn
+on the GPU from one seed per rank, so every mode sees the same batches; the loss can fall from ln(vocab) to the
+chain's entropy (~1.3 nats, recorded as `loss_floor`).
 
 Checks (rank 0; the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal
 to the unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`); the FP8 loss
@@ -55,7 +56,7 @@ from megatron_tma.mcore import CONFIG_FLAG, MODES, layer_spec_from_config  # noq
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -74,21 +75,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def bigram_batches(args, rank):
+def chain_batches(args, rank):
     """All micro-batches of the run, `[steps * micro_batches, batch, seq_len + 1]` token ids from a fixed random
-    bigram chain (the chain alike on every rank, the draws per rank), made once and replayed for every mode."""
+    second-order chain: the next token's distribution is row `(7 a + b) mod vocab` of a table (4 likely successors
+    each), `a`, `b` the two tokens before it, so the model must learn to attend to two positions. The chain is alike
+    on every rank, the draws are per rank; made once and replayed for every mode. Returns (batches, the chain's
+    entropy per token in nats: the loss floor)."""
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device="cuda")
     weights = torch.tensor([0.55, 0.25, 0.15, 0.05], device="cuda").expand(args.vocab, 4)
     trans = torch.zeros(args.vocab, args.vocab, device="cuda").scatter_add_(1, succ, weights)
     trans = 0.98 * trans + 0.02 / args.vocab
+    floor = float(-(trans * trans.log()).sum(1).mean())
     g.manual_seed(args.seed * 1000 + 1 + rank)
     n = args.steps * args.micro_batches * args.micro_batch_size
-    tok = torch.empty(n, args.seq_len + 1, dtype=torch.long, device="cuda")
-    tok[:, 0] = torch.randint(0, args.vocab, (n,), generator=g, device="cuda")
-    for t in range(args.seq_len):  # all sequences advance together: seq_len launches in all
-        tok[:, t + 1] = torch.multinomial(trans[tok[:, t]], 1, generator=g).squeeze(1)
-    return tok.view(args.steps * args.micro_batches, args.micro_batch_size, args.seq_len + 1)
+    tok = torch.randint(0, args.vocab, (n, args.seq_len + 1), generator=g, device="cuda")
+    for t in range(2, args.seq_len + 1):  # all sequences advance together: seq_len launches in all
+        rows = (7 * tok[:, t - 2] + tok[:, t - 1]) % args.vocab
+        tok[:, t] = torch.multinomial(trans[rows], 1, generator=g).squeeze(1)
+    return tok.view(args.steps * args.micro_batches, args.micro_batch_size, args.seq_len + 1), floor
 
 
 def replay(batches):
@@ -130,7 +135,8 @@ def forward_step(data_iterator, model):
 
     def loss_func(output):
         loss = output.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        # a copy: the schedule divides the returned loss by the number of micro-batches in place
+        return loss, {"lm loss": loss.detach().clone()}
 
     return losses, loss_func
 
@@ -174,7 +180,7 @@ def main(argv=None):
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     args.ep = args.ep or world
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
-    batches = bigram_batches(args, rank)
+    batches, loss_floor = chain_batches(args, rank)
     runs = {}
     for mode in args.modes:
         runs[mode] = train(args, mode, rank, batches)
@@ -200,13 +206,13 @@ def main(argv=None):
             row["final_window_gap_vs_bf16"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
         report[mode] = row
     if rank == 0:
-        write_results(args, runs, report, failures, world)
+        write_results(args, runs, report, failures, world, loss_floor)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failures else 0
 
 
-def write_results(args, runs, report, failures, world):
+def write_results(args, runs, report, failures, world, loss_floor):
     stamp = datetime.datetime.now(datetime.timezone.utc)
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
@@ -214,7 +220,7 @@ def write_results(args, runs, report, failures, world):
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(), "date": stamp.isoformat(), "world_size": world,
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": {k: v for k, v in vars(args).items() if k != "out"}, "loss_floor": loss_floor,
         "summary": report, "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, (losses, norms, times, _) in runs.items()
@@ -236,6 +242,7 @@ def write_results(args, runs, report, failures, world):
     for mode, (losses, *_rest) in runs.items():
         color, ls, lw = styles.get(mode, ("k", "-", 1))
         ax.plot(losses, color=color, ls=ls, lw=lw, label=mode)
+    ax.axhline(loss_floor, color="k", lw=0.5, ls="--", label="the data's entropy")
     ax.set(xlabel="step", ylabel="LM loss", title=f"MoE GPT, Megatron-core, {world} GPU(s): loss per step")
     ax.legend()
     if "bf16" in runs:
