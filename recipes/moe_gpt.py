@@ -14,12 +14,12 @@ switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mco
 * `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
   Transformer Engine's and DeepGEMM's FP8 expert paths need);
 * `bf16`: the same MLP with BF16 GEMMs (the loss-curve reference).
-Data: token sequences from a fixed random second-order chain (each pair of tokens has 4 likely successors), drawn
-on the GPU from one seed per rank, so every mode sees the same batches; the loss can fall from ln(vocab) to the
-chain's entropy (~1.3 nats, recorded as `loss_floor`).
+Data: token sequences in which each token follows, by a fair coin, the token before it or the one two before it
+through two fixed random tables (4 likely successors each), drawn on the GPU from one seed per rank, so every mode
+sees the same batches; the loss can fall from ln(vocab) to the data's entropy (recorded as `loss_floor`).
 
-Checks (rank 0; the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal
-to the unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`); the FP8 loss
+Checks (the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal to the
+unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`, every rank its own); the FP8 loss
 curve stays close to the BF16 one (reported, with the final-window mean gap; not a pass/fail). Writes
 `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`.
 """
@@ -75,24 +75,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def chain_batches(args, rank):
-    """All micro-batches of the run, `[steps * micro_batches, batch, seq_len + 1]` token ids from a fixed random
-    second-order chain: the next token's distribution is row `(7 a + b) mod vocab` of a table (4 likely successors
-    each), `a`, `b` the two tokens before it, so the model must learn to attend to two positions. The chain is alike
-    on every rank, the draws are per rank; made once and replayed for every mode. Returns (batches, the chain's
-    entropy per token in nats: the loss floor)."""
-    g = torch.Generator(device="cuda").manual_seed(args.seed)
+def _successor_table(args, g):
+    """[vocab, vocab] next-token distributions: 4 likely successors per row (0.55 / 0.25 / 0.15 / 0.05), 2% uniform."""
     succ = torch.randint(0, args.vocab, (args.vocab, 4), generator=g, device="cuda")
     weights = torch.tensor([0.55, 0.25, 0.15, 0.05], device="cuda").expand(args.vocab, 4)
-    trans = torch.zeros(args.vocab, args.vocab, device="cuda").scatter_add_(1, succ, weights)
-    trans = 0.98 * trans + 0.02 / args.vocab
-    floor = float(-(trans * trans.log()).sum(1).mean())
+    table = torch.zeros(args.vocab, args.vocab, device="cuda").scatter_add_(1, succ, weights)
+    return 0.98 * table + 0.02 / args.vocab
+
+
+def chain_batches(args, rank):
+    """All micro-batches of the run, `[steps * micro_batches, batch, seq_len + 1]` token ids. Each next token is
+    drawn, by a fair coin, from the row of the token before it in one random table (a bigram) or from the row of
+    the token two before in another (a skip-bigram), so the model learns fast at first and then has to learn to
+    attend one position further back. The tables are alike on every rank, the draws are per rank; made once and
+    replayed for every mode. Returns (batches, the loss floor: the entropy of the next token given the two before,
+    0.5 A[a] + 0.5 B[b], averaged over the run's own (a, b) pairs, in nats)."""
+    g = torch.Generator(device="cuda").manual_seed(args.seed)
+    near, far = _successor_table(args, g), _successor_table(args, g)
     g.manual_seed(args.seed * 1000 + 1 + rank)
     n = args.steps * args.micro_batches * args.micro_batch_size
     tok = torch.randint(0, args.vocab, (n, args.seq_len + 1), generator=g, device="cuda")
     for t in range(2, args.seq_len + 1):  # all sequences advance together: seq_len launches in all
-        rows = (7 * tok[:, t - 2] + tok[:, t - 1]) % args.vocab
-        tok[:, t] = torch.multinomial(trans[rows], 1, generator=g).squeeze(1)
+        coin = torch.rand(n, 1, generator=g, device="cuda") < 0.5
+        rows = torch.where(coin, near[tok[:, t - 1]], far[tok[:, t - 2]])
+        tok[:, t] = torch.multinomial(rows, 1, generator=g).squeeze(1)
+    a, b = tok[:64, 1:-1].flatten(), tok[:64, :-2].flatten()
+    p = 0.5 * near[a] + 0.5 * far[b]
+    floor = float(-(p * p.log()).sum(1).mean())
     return tok.view(args.steps * args.micro_batches, args.micro_batch_size, args.seq_len + 1), floor
 
 
@@ -205,6 +214,9 @@ def main(argv=None):
             row["max_abs_loss_gap_vs_bf16"] = max(abs(x - y) for x, y in zip(losses, b))
             row["final_window_gap_vs_bf16"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
         report[mode] = row
+    gathered = [None] * world  # each rank compared its own experts' parameters
+    dist.all_gather_object(gathered, failures)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(gathered) for f in fs]
     if rank == 0:
         write_results(args, runs, report, failures, world, loss_floor)
     dist.barrier()

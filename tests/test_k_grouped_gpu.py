@@ -3,7 +3,7 @@ to a multiple of 128, accurate against float64, accumulate mode, determinism, gr
 import pytest
 import torch
 
-from megatron_tma import _ext
+from megatron_tma import _ext, quant
 from megatron_tma import reference as R
 from megatron_tma.gemm import k_grouped_fp8_gemm
 from megatron_tma.groups import make_group_sizes
@@ -184,3 +184,27 @@ def test_cuda_graph_replay_with_new_sizes_and_no_sync():
         k_grouped_fp8_gemm(*static, out=out, accumulate=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_tokens_from_the_cuda_quantizers(fused):
+    """M_total = 0 (an expert-parallel rank that received no token): the quantizers hand back empty [rows, 0]
+    tensors (torch gives them strides (1, 1)); the GEMM zeroes `out`, or leaves C unchanged when accumulating."""
+    sizes = torch.zeros(4, dtype=torch.int64, device=DEV)
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV)
+    dy = torch.empty(0, 384, dtype=torch.bfloat16, device=DEV)
+    if fused:
+        *_, xt, xs = quant.quantize_1x128_and_grouped_128x1(x, sizes, num_groups=4)
+        *_, dyt, dys = quant.quantize_1x128_and_grouped_128x1(dy, sizes, num_groups=4)
+    else:
+        xt, xs = quant.quantize_grouped_128x1(x, sizes, num_groups=4)
+        dyt, dys = quant.quantize_grouped_128x1(dy, sizes, num_groups=4)
+    assert xt.shape == (256, 0) and dyt.shape == (384, 0)
+    out = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=torch.full((4, 384, 256), float("nan"), device=DEV))
+    assert torch.equal(out, torch.zeros_like(out))
+    c = torch.randn(4, 384, 256, device=DEV)
+    d = c.clone()
+    k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=d, accumulate=True)
+    assert torch.equal(d, c)
+    bf = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16)
+    assert bf.dtype == torch.bfloat16 and not bf.any()

@@ -207,3 +207,26 @@ def test_no_host_sync(pad_to):
         _step(module, x, sizes, probs, dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_no_tokens_forward_and_backward(pad_to):
+    """A layer whose experts receive no token (an expert-parallel rank in a skewed step): empty output and input
+    gradient, zero weight gradients in `.grad`, and an FP32 main_grad left as it was."""
+    module = GroupedFP8MLP(4, 256, 128, "swiglu", pad_to=pad_to, device=DEV)
+    sizes = torch.zeros(4, dtype=torch.int64, device=DEV)
+    x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    probs = torch.empty(0, device=DEV, requires_grad=True)
+    out, _ = module(x, sizes, probs)
+    assert out.shape == (0, 256)
+    out.sum().backward()
+    assert x.grad.shape == (0, 256) and probs.grad.shape == (0,)
+    assert all(w.grad is not None and not w.grad.any() for w in module.parameters())
+    starts = []
+    for w in module.parameters():
+        w.grad = None
+        w.main_grad = torch.randn(w.shape, device=DEV)
+        starts.append(w.main_grad.clone())
+    out, _ = module(x, sizes, probs)
+    out.sum().backward()
+    assert all(torch.equal(w.main_grad, s) and w.grad is None for w, s in zip(module.parameters(), starts))

@@ -11,7 +11,10 @@ namespace {
 void check_token_major(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat8_e4m3fn && t.dim() == 2, name,
               " must be a 2-D float8_e4m3fn CUDA tensor [rows, M_total]");
-  TORCH_CHECK(t.stride(1) == 1 && t.stride(0) % 16 == 0 && t.stride(0) >= t.size(1) && t.stride(0) <= t.size(1) + 15,
+  // No tokens (an expert-parallel rank that received none): torch gives an empty [rows, 0] tensor strides (1, 1),
+  // and there is nothing to read; the op then only zeroes `out` (or leaves C unchanged).
+  TORCH_CHECK(t.size(1) == 0 ||
+                  (t.stride(1) == 1 && t.stride(0) % 16 == 0 && t.stride(0) >= t.size(1) && t.stride(0) <= t.size(1) + 15),
               name, " must be token-contiguous with a row pitch in [M_total, M_total + 15] that is a multiple of 16 "
               "(as returned by quantize_grouped_128x1), got strides ", t.strides());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
@@ -23,7 +26,7 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
   check_token_major(dy_t, "dy_t");
   check_token_major(x_t, "x_t");
   const int64_t N = dy_t.size(0), M = dy_t.size(1), K = x_t.size(0);
-  TORCH_CHECK(x_t.size(1) == M && x_t.stride(0) == dy_t.stride(0), "dy_t and x_t must cover the same tokens with the same pitch");
+  TORCH_CHECK(x_t.size(1) == M && (M == 0 || x_t.stride(0) == dy_t.stride(0)), "dy_t and x_t must cover the same tokens with the same pitch");
   TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 && out.size(1) == N && out.size(2) == K &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "out must be a contiguous FP32 or BF16 [G, N, K] tensor");
