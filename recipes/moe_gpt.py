@@ -21,7 +21,8 @@ sees the same batches; the loss can fall from ln(vocab) to the data's entropy (r
 Checks (the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal to the
 unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`, every rank its own); the FP8 loss
 curve stays close to the BF16 one (reported, with the final-window mean gap; not a pass/fail). Writes
-`moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`.
+`moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`
+(`--plot RESULT.json` redraws the PNG from a result, on any machine).
 """
 import argparse
 import datetime
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     return p.parse_args(argv)
 
 
@@ -184,6 +186,10 @@ def train(args, mode, rank, batches):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot[:-len(".json")] + ".png")
+        return 0
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -232,7 +238,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(), "date": stamp.isoformat(), "world_size": world,
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
-        "config": {k: v for k, v in vars(args).items() if k != "out"}, "loss_floor": loss_floor,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "loss_floor": loss_floor,
         "summary": report, "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, (losses, norms, times, _) in runs.items()
@@ -241,33 +247,43 @@ def write_results(args, runs, report, failures, world, loss_floor):
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({"summary": report, "failures": failures}, indent=1))
+    plot(result, base + ".png")
+
+
+def plot(result, path):
+    """The loss curves of every mode and each FP8 mode's gap to the BF16 experts, from a result (the JSON)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib missing: no plot")
+        print("matplotlib missing: no plot (redraw later with --plot RESULT.json)")
         return
+    losses = {}
+    for row in result["rows"]:
+        losses.setdefault(row["mode"], []).append(row["loss"])
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"unpadded": ("C0", "-", 2.5), "padded16": ("C1", "--", 1.5), "padded128": ("C3", ":", 1.5),
               "bf16": ("C2", "-", 1.0)}
-    for mode, (losses, *_rest) in runs.items():
+    for mode, curve in losses.items():
         color, ls, lw = styles.get(mode, ("k", "-", 1))
-        ax.plot(losses, color=color, ls=ls, lw=lw, label=mode)
-    ax.axhline(loss_floor, color="k", lw=0.5, ls="--", label="the data's entropy")
-    ax.set(xlabel="step", ylabel="LM loss", title=f"MoE GPT, Megatron-core, {world} GPU(s): loss per step")
+        ax.plot(curve, color=color, ls=ls, lw=lw, label=mode)
+    ax.axhline(result["loss_floor"], color="k", lw=0.5, ls="--", label="the data's entropy")
+    ep = result["config"].get("ep") or result["world_size"]
+    ax.set(xlabel="step", ylabel="LM loss", ylim=(result["loss_floor"] - 0.2, None),
+           title=f"MoE GPT on Megatron-core, {result['world_size']} GPU(s), EP={ep}: loss per step")
     ax.legend()
-    if "bf16" in runs:
-        for mode, (losses, *_rest) in runs.items():
+    if "bf16" in losses:
+        for mode, curve in losses.items():
             if mode != "bf16":
                 color, ls, lw = styles.get(mode, ("k", "-", 1))
-                gap.plot([x - y for x, y in zip(losses, runs["bf16"][0])], color=color, ls=ls, lw=lw, label=mode)
+                gap.plot([x - y for x, y in zip(curve, losses["bf16"])], color=color, ls=ls, lw=lw, label=mode)
         gap.axhline(0, color="k", lw=0.5)
-        gap.set(xlabel="step", ylabel="loss - BF16 loss", title="FP8 experts against BF16 experts")
+        gap.set(xlabel="step", ylabel="loss - BF16 loss", title="FP8 experts against BF16 experts (same data, init)")
         gap.legend()
     fig.tight_layout()
-    fig.savefig(base + ".png", dpi=110)
-    print("wrote", base + ".json", base + ".png")
+    fig.savefig(path, dpi=110)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
