@@ -1,7 +1,7 @@
 """Train a small MoE GPT with Megatron-core once per experts mode, on the same data from the same initial weights,
 and check that the unpadded FP8 experts train exactly like their padded twins.
 
-    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 4 modes x 300 steps
+    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 5 modes x 300 steps
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
 
 Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
@@ -13,14 +13,18 @@ switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mco
 * `unpadded`: megatron_tma's FP8 experts, no padding anywhere;
 * `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
   Transformer Engine's and DeepGEMM's FP8 expert paths need);
-* `bf16`: the same MLP with BF16 GEMMs (the loss-curve reference).
+* `bf16`: the same MLP with BF16 GEMMs;
+* `megatron`: the flag unset, i.e. Megatron's own experts of the local spec (SequentialMLP, a BF16 MLP per expert),
+  given the initial weights megatron_tma's experts draw (the loss-curve reference).
 Data: token sequences in which each token follows, by a fair coin, the token before it or the one two before it
 through two fixed random tables (4 likely successors each), drawn on the GPU from one seed per rank, so every mode
 sees the same batches; the loss can fall from ln(vocab) to the data's entropy (recorded as `loss_floor`).
 
-Checks (the exit status is 1 if one fails): every padded mode's per-step losses and grad norms are equal to the
-unpadded mode's bit for bit, and so are all parameters after the last step (`torch.equal`, every rank its own); the FP8 loss
-curve stays close to the BF16 one (reported, with the final-window mean gap; not a pass/fail). Writes
+Checks (the exit status is 1 if one fails): every mode starts from the same weights (dense layers and experts, under
+megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Megatron's own, compute their function
+on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad norms are equal to the unpadded
+mode's bit for bit, and so are all parameters after the last step (`torch.equal`, every rank its own). Reported,
+not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean gap). Writes
 `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`
 (`--plot RESULT.json` redraws the PNG from a result, on any machine).
 """
@@ -29,6 +33,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -47,16 +52,22 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.tensor_parallel.random import (  # noqa: E402
+    get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name, model_parallel_cuda_manual_seed)
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_tma.mcore import CONFIG_FLAG, MODES, layer_spec_from_config  # noqa: E402
+from megatron_tma.mcore import CONFIG_FLAG, MODES, layer_spec_from_config, megatron_experts  # noqa: E402
+
+
+# megatron_tma's modes, and "megatron": the config flag left unset, i.e. Megatron's own experts of the local spec
+# (SequentialMLP: one BF16 MLP per expert), with their weights drawn as megatron_tma's are (same initial model).
+RECIPE_MODES = MODES + ("megatron",)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(RECIPE_MODES), choices=RECIPE_MODES)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -126,10 +137,12 @@ def build(args, mode):
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02,
     )
-    setattr(config, CONFIG_FLAG, mode)  # the switch: Megatron's experts -> megatron_tma's
+    setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                    max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
+    if mode == "megatron":
+        redraw_megatron_experts(gpt, config, args.seed)
     model = DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), Float16Module(config, gpt))
     config.no_sync_func = model.no_sync
@@ -138,6 +151,56 @@ def build(args, mode):
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True),
         [model])
     return model, optimizer
+
+
+def redraw_megatron_experts(gpt, config, seed):
+    """Give Megatron's SequentialMLP experts the initial weights megatron_tma's experts draw: from the freshly seeded
+    expert-parallel RNG state, layer by layer, every expert's fc1 then every expert's fc2 (SequentialMLP draws expert
+    by expert). The dense layers are already built; re-seeding only restarts the tracker's streams."""
+    model_parallel_cuda_manual_seed(seed)
+    with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+        for layer in gpt.decoder.layers:
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is None:
+                continue
+            for e in experts.local_experts:
+                config.init_method(e.linear_fc1.weight)
+            for e in experts.local_experts:
+                config.output_layer_init_method(e.linear_fc2.weight)
+
+
+def experts_against_megatron(gpt, seed):
+    """megatron_tma's experts (BF16 and unpadded FP8) given the weights of the first layer's Megatron experts
+    (SequentialMLP), on the same routed tokens: DESIGN.md's diff of each output against Megatron's, in float64.
+    BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise."""
+    seq = gpt.decoder.layers[0].mlp.experts
+    state = {re.sub(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$", r"linear_fc\2.weight\1", k): v
+             for k, v in seq.state_dict().items()}
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = seq.num_local_experts
+    sizes = torch.randint(0, 400, (n,), generator=g, device="cuda")
+    x = torch.randn(int(sizes.sum()), gpt.config.hidden_size, generator=g, device="cuda").bfloat16()
+    probs = torch.rand(x.shape[0], generator=g, device="cuda")
+    with torch.no_grad():
+        ref = seq(x, sizes.cpu(), probs)[0].double()
+        diffs = {}
+        for mode in ("bf16", "unpadded"):
+            ours = megatron_experts(n, gpt.config, mode=mode)
+            ours.load_state_dict(state)
+            out = ours(x, sizes, probs)[0].double()
+            diffs[mode] = float(1 - 2 * (out * ref).sum() / ((out * out).sum() + (ref * ref).sum()))
+    return diffs
+
+
+def canonical_weights(model):
+    """The model's weights under megatron_tma's state-dict keys (SequentialMLP's per-expert MLPs renamed), on the
+    host: what every mode must start from."""
+    out = {}
+    for key, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            key = re.sub(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$", r"experts.linear_fc\2.weight\1", key)
+            out[key] = value.detach().cpu().clone()
+    return out
 
 
 def forward_step(data_iterator, model):
@@ -152,8 +215,16 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def train(args, mode, rank, batches):
+def train(args, mode, rank, batches, init_ref):
     model, optimizer = build(args, mode)
+    init = canonical_weights(model)
+    if not init_ref:
+        init_ref.update(init)
+        same_init = True
+    else:
+        same_init = init.keys() == init_ref.keys() and all(torch.equal(init[k], init_ref[k]) for k in init)
+    del init
+    diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
     data = replay(batches)
     fwd_bwd = get_forward_backward_func()
     losses, grad_norms, times = [], [], []
@@ -181,7 +252,7 @@ def train(args, mode, rank, batches):
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     del model, optimizer
     torch.cuda.empty_cache()
-    return losses, grad_norms, times, params
+    return losses, grad_norms, times, params, same_init, diffs
 
 
 def main(argv=None):
@@ -196,17 +267,25 @@ def main(argv=None):
     args.ep = args.ep or world
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
     batches, loss_floor = chain_batches(args, rank)
-    runs = {}
+    runs, init_ref = {}, {}
     for mode in args.modes:
-        runs[mode] = train(args, mode, rank, batches)
+        runs[mode] = train(args, mode, rank, batches, init_ref)
+    del init_ref
     failures, report = [], {}
     ref = "unpadded" if "unpadded" in runs else None
-    for mode, (losses, norms, times, params) in runs.items():
+    for mode, (losses, norms, times, params, same_init, diffs) in runs.items():
         tail = max(1, len(losses) // 10)
         row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
-               "ms_per_step_median": sorted(times[1:] or times)[len(times[1:] or times) // 2]}
+               "ms_per_step_median": sorted(times[1:] or times)[len(times[1:] or times) // 2],
+               "same_initial_weights": same_init}
+        if not same_init:
+            failures.append(f"{mode} did not start from the first mode's weights (the comparison is void)")
+        if diffs is not None:  # Megatron's own experts against megatron_tma's, same weights and tokens
+            row["experts_diff_vs_megatron"] = diffs
+            if not (diffs["bf16"] < 1e-4 and diffs["unpadded"] < 3e-3):
+                failures.append(f"megatron_tma's experts do not compute Megatron's experts' function: {diffs}")
         if ref and mode.startswith("padded"):
-            r_losses, r_norms, _, r_params = runs[ref]
+            r_losses, r_norms, _, r_params, *_ = runs[ref]
             same_loss = losses == r_losses
             same_norm = norms == r_norms
             same_params = params.keys() == r_params.keys() and all(torch.equal(params[k], r_params[k]) for k in params)
@@ -215,10 +294,11 @@ def main(argv=None):
                 first = next((i for i, (a, b) in enumerate(zip(losses, r_losses)) if a != b), None)
                 failures.append(f"{mode} differs from unpadded (losses equal: {same_loss}, first differing step "
                                 f"{first}; grad norms equal: {same_norm}; parameters equal: {same_params})")
-        if "bf16" in runs and mode != "bf16":
-            b = runs["bf16"][0]
-            row["max_abs_loss_gap_vs_bf16"] = max(abs(x - y) for x, y in zip(losses, b))
-            row["final_window_gap_vs_bf16"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
+        for other in ("bf16", "megatron"):  # the BF16 references: megatron_tma's BF16 experts, Megatron's own
+            if other in runs and mode != other:
+                b = runs[other][0]
+                row[f"max_abs_loss_gap_vs_{other}"] = max(abs(x - y) for x, y in zip(losses, b))
+                row[f"final_window_gap_vs_{other}"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
         report[mode] = row
     gathered = [None] * world  # each rank compared its own experts' parameters
     dist.all_gather_object(gathered, failures)
@@ -241,7 +321,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "loss_floor": loss_floor,
         "summary": report, "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
-                 for m, (losses, norms, times, _) in runs.items()
+                 for m, (losses, norms, times, *_) in runs.items()
                  for i, (l, n, t) in enumerate(zip(losses, norms, times))],
     }
     with open(base + ".json", "w") as f:
@@ -264,7 +344,7 @@ def plot(result, path):
         losses.setdefault(row["mode"], []).append(row["loss"])
     fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"unpadded": ("C0", "-", 2.5), "padded16": ("C1", "--", 1.5), "padded128": ("C3", ":", 1.5),
-              "bf16": ("C2", "-", 1.0)}
+              "bf16": ("C2", "-", 1.0), "megatron": ("k", "-", 0.8)}
     for mode, curve in losses.items():
         color, ls, lw = styles.get(mode, ("k", "-", 1))
         ax.plot(curve, color=color, ls=ls, lw=lw, label=mode)
@@ -273,13 +353,15 @@ def plot(result, path):
     ax.set(xlabel="step", ylabel="LM loss", ylim=(result["loss_floor"] - 0.2, None),
            title=f"MoE GPT on Megatron-core, {result['world_size']} GPU(s), EP={ep}: loss per step")
     ax.legend()
-    if "bf16" in losses:
+    ref = "megatron" if "megatron" in losses else "bf16" if "bf16" in losses else None
+    if ref:
         for mode, curve in losses.items():
-            if mode != "bf16":
+            if mode != ref:
                 color, ls, lw = styles.get(mode, ("k", "-", 1))
-                gap.plot([x - y for x, y in zip(curve, losses["bf16"])], color=color, ls=ls, lw=lw, label=mode)
+                gap.plot([x - y for x, y in zip(curve, losses[ref])], color=color, ls=ls, lw=lw, label=mode)
         gap.axhline(0, color="k", lw=0.5)
-        gap.set(xlabel="step", ylabel="loss - BF16 loss", title="FP8 experts against BF16 experts (same data, init)")
+        names = {"megatron": "Megatron's own BF16 experts", "bf16": "BF16 experts"}
+        gap.set(xlabel="step", ylabel=f"loss - {ref} loss", title=f"against {names[ref]} (same data, same initial weights)")
         gap.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
