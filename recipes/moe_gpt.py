@@ -8,7 +8,8 @@ Everything around the experts is Megatron's: GPTModel with the local layer spec 
 router with its aux loss, the all-to-all token dispatcher), Float16Module, Megatron's DDP with FP32 gradient
 buffers (`main_grad`, which the K-grouped GEMM accumulates into), Megatron's mixed-precision Adam (FP32 master
 weights copied into the BF16 parameters through `.data`, the update no version counter sees), the no-pipelining
-forward/backward schedule over `--micro-batches` micro-batches, gradient clipping. Only the MoE layers' experts are
+forward/backward schedule over `--micro-batches` micro-batches, gradient clipping, and torch's deterministic
+algorithms (without them Megatron's top-k combine sums with atomics: at top-3 and above no two runs are equal). Only the MoE layers' experts are
 switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mcore.spec):
 * `unpadded`: megatron_tma's FP8 experts, no padding anywhere;
 * `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
@@ -30,6 +31,7 @@ not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-w
 """
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -43,6 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
+# cuBLAS needs a fixed workspace to be deterministic (torch.use_deterministic_algorithms, set in main)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron.core import parallel_state  # noqa: E402
@@ -174,8 +178,8 @@ def experts_against_megatron(gpt, seed):
     (SequentialMLP), on the same routed tokens: DESIGN.md's diff of each output against Megatron's, in float64.
     BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise."""
     seq = gpt.decoder.layers[0].mlp.experts
-    state = {re.sub(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$", r"linear_fc\2.weight\1", k): v
-             for k, v in seq.state_dict().items()}
+    pattern = re.compile(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$")  # (not the linears' _extra_state)
+    state = {pattern.sub(r"linear_fc\2.weight\1", k): v for k, v in seq.state_dict().items() if pattern.match(k)}
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = seq.num_local_experts
     sizes = torch.randint(0, 400, (n,), generator=g, device="cuda")
@@ -227,7 +231,7 @@ def train(args, mode, rank, batches, init_ref):
     diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
     data = replay(batches)
     fwd_bwd = get_forward_backward_func()
-    losses, grad_norms, times = [], [], []
+    losses, grad_norms, times, out = [], [], [], None
     for step in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -250,7 +254,10 @@ def train(args, mode, rank, batches, init_ref):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    del model, optimizer
+    config = model.config
+    config.no_sync_func = config.finalize_model_grads_func = None  # they hold the model: let it go
+    del model, optimizer, config, out
+    gc.collect()  # the model and its config reference each other
     torch.cuda.empty_cache()
     return losses, grad_norms, times, params, same_init, diffs
 
@@ -261,6 +268,11 @@ def main(argv=None):
         with open(args.plot) as f:
             plot(json.load(f), args.plot[:-len(".json")] + ".png")
         return 0
+    # Bit-exact comparisons need the rest of the model deterministic too: Megatron sums a token's top-k expert
+    # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on, and with k >= 3 two runs of
+    # the same mode then differ in the last bits (seen at top-4). warn_only: ops without a deterministic kernel warn.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill of every torch.empty in the timings
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -205,3 +205,57 @@ def test_spec_switch_replaces_only_the_experts():
     assert mcore.layer_spec_from_config(spec, cfg).submodules.mlp.keywords["submodules"].experts.keywords["mode"] == \
         "unpadded"
     assert expert_mlp_args(cfg) == (256, 128, "swiglu")  # a real TransformerConfig through the mapping
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu(tmp_path_factory):
+    """A one-rank gloo process group and Megatron's parallel state, for building Megatron modules on the CPU."""
+    import torch.distributed as dist
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|DEPRECATED).*")
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
+                                world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+def test_experts_compute_megatrons_experts_function(megatron_cpu):
+    """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts
+    compute the same function (SwiGLU with the gate half first, probs after the activation): DESIGN.md's diff at
+    BF16 rounding level; the FP8 experts within the FP8 recipe's noise. State-dict keys map one to one."""
+    import re
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=256, gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, moe_token_dispatcher_type="allgather",
+                            use_cpu_initialization=True, perform_initialization=False, bf16=True,
+                            params_dtype=torch.bfloat16)
+    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True),
+                   vocab_size=512, max_sequence_length=64)
+    seq = gpt.decoder.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in seq.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    pattern = re.compile(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$")
+    state = {pattern.sub(r"linear_fc\2.weight\1", k): v for k, v in seq.state_dict().items() if pattern.match(k)}
+    x, sizes, probs = _routed(t=158, sizes=(50, 0, 77, 31), seed=12)
+    with torch.no_grad():
+        ref = seq(x, sizes, probs)[0].double()
+        for mode, tol in (("bf16", 1e-4), ("unpadded", 3e-3)):
+            ours = megatron_experts(4, cfg, mode=mode, backend="reference")
+            ours.load_state_dict(state)  # strict: the keys map one to one
+            out = ours(x, sizes, probs)[0].double()
+            diff = float(1 - 2 * (out * ref).sum() / ((out * out).sum() + (ref * ref).sum()))
+            assert 0 <= diff < tol and (diff > 0 or mode == "bf16"), (mode, diff)  # FP8 must differ
