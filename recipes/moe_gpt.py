@@ -28,6 +28,10 @@ mode's bit for bit, and so are all parameters after the last step (`torch.equal`
 not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean gap). Writes
 `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`
 (`--plot RESULT.json` redraws the PNG from a result, on any machine).
+
+Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
+cause not found). At the default size that is ~2 GB per mode; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of
+FFN 2048) the third mode runs out of memory on an H200: run at most two modes per process there.
 """
 import argparse
 import datetime
