@@ -123,8 +123,6 @@ def test_unsupported_forward_arguments_and_methods_are_refused():
     assert out_none.shape == x.shape
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
         experts.backward_dw()
-    with pytest.raises(NotImplementedError, match="distributed checkpointing"):
-        experts.sharded_state_dict()
 
 
 def test_fp8_cache_follows_megatrons_iteration_signal():
@@ -259,3 +257,102 @@ def test_experts_compute_megatrons_experts_function(megatron_cpu):
             out = ours(x, sizes, probs)[0].double()
             diff = float(1 - 2 * (out * ref).sum() / ((out * out).sum() + (ref * ref).sum()))
             assert 0 <= diff < tol and (diff > 0 or mode == "bf16"), (mode, diff)  # FP8 must differ
+
+
+def _small_gpt(mode, activation="swiglu"):
+    """A 2-layer MoE GPT on the CPU (4 experts), with Megatron's experts (mode None) or megatron_tma's."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(DEPRECATED|deprecated).*")
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
+                            moe_router_topk=2, moe_ffn_hidden_size=128, gated_linear_unit=activation == "swiglu",
+                            activation_func=F.silu if activation == "swiglu" else F.gelu, add_bias_linear=False,
+                            moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                            perform_initialization=False, bf16=True, params_dtype=torch.bfloat16)
+    spec = mcore.use_megatron_tma_experts(get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True), mode,
+                                          backend="reference")
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=512, max_sequence_length=64)
+
+
+def _randomize(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def _weights(model):
+    """Every weight under megatron_tma's keys (Megatron's per-expert MLPs renamed), without `_extra_state`."""
+    import re
+
+    pattern = re.compile(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$")
+    return {pattern.sub(r"experts.linear_fc\2.weight\1", k): v for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")}
+
+
+def _expert_shards(sharded_state_dict):
+    """The experts' entries of a Megatron sharded state dict as {(key, global offset): (global shape, axis
+    fragmentations, replica id, data)}, factories (SwiGLU's fc1) expanded into the shards they write."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for v in sharded_state_dict.values():
+        shards = v.build() if isinstance(v, ShardedTensorFactory) else [v]
+        for sh in shards:
+            if isinstance(sh, ShardedTensor) and ".experts." in sh.key:
+                out[(sh.key, sh.global_offset)] = (sh.global_shape, sh.axis_fragmentations, sh.replica_id, sh.data)
+    return out
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
+    """The experts' sharded state dict writes the shards Megatron's own experts (SequentialMLP) write: the same
+    tensor keys, global shapes, offsets along the global expert axis, fragmentation, replica ids and data, so that a
+    checkpoint of Megatron's experts loads into these (next test)."""
+    def build(mode):
+        return _small_gpt(mode, activation)
+
+    theirs, ours = build(None), build("unpadded")
+    _randomize(theirs, 21)
+    ours.load_state_dict(_weights(theirs))
+    a, b = _expert_shards(theirs.sharded_state_dict()), _expert_shards(ours.sharded_state_dict())
+    assert len(a) == 2 * 4 * (3 if activation == "swiglu" else 2)  # layers x experts x (gate, up, fc2) shards
+    assert a.keys() == b.keys()
+    for k in a:
+        (shape_a, frag_a, rep_a, data_a), (shape_b, frag_b, rep_b, data_b) = a[k], b[k]
+        assert (shape_a, frag_a, rep_a) == (shape_b, frag_b, rep_b), k
+        assert torch.equal(data_a, data_b), k
+    sd = ours.sharded_state_dict()
+    assert {k for k in sd if ".experts." in k} == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.weight{e}"
+                                                   for layer in range(2) for i in (1, 2) for e in range(4)}
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU variant: it stands in for Megatron's CUDA calls")
+def test_distributed_checkpoint_save_and_load(megatron_cpu, tmp_path, monkeypatch):
+    """Megatron's `torch_dist` checkpoint through `dist_checkpointing.save` / `load` and `load_state_dict`: one of
+    Megatron's own experts loads into megatron_tma's (every weight equal), and megatron_tma's round-trips. Megatron's
+    writer synchronises and broadcasts on the current CUDA device; on this CPU machine those two calls are stood in
+    for (a no-op sync, the host as the device), nothing else."""
+    from megatron.core import dist_checkpointing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    theirs, ours, other = _small_gpt(None), _small_gpt("unpadded"), _small_gpt("unpadded")
+    _randomize(theirs, 31)
+    _randomize(other, 32)
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "ours").mkdir()
+    dist_checkpointing.save(theirs.sharded_state_dict(), str(tmp_path / "megatron"))
+    ours.load_state_dict(dist_checkpointing.load(ours.sharded_state_dict(), str(tmp_path / "megatron")))
+    a, b = _weights(theirs), _weights(ours)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    dist_checkpointing.save(other.sharded_state_dict(), str(tmp_path / "ours"))
+    ours.load_state_dict(dist_checkpointing.load(ours.sharded_state_dict(), str(tmp_path / "ours")))
+    a, b = _weights(other), _weights(ours)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -26,9 +26,12 @@ What the Megatron side needs, and where it is done here:
   micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up, re-quantizes too: the same
   bits again). Weights without the attribute (no Megatron DDP) rely on the version counter, which PyTorch's
   optimizers do move; `invalidate_fp8_weights(model)` is there for any other update path.
+* Megatron's distributed checkpoint (`sharded_state_dict`): the shards Megatron's own experts write, so that their
+  checkpoints load here (tests/test_mcore.py: the shards equal `SequentialMLP`'s, and a `torch_dist` save and load
+  through Megatron's writer, on the CPU with its two CUDA calls stood in for; not yet run on the GPU). A checkpoint
+  written here does not load into Megatron's experts: it lacks their linears' `_extra_state` objects.
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
-probs applied on the input, clamped or offset GLUs; Megatron's distributed checkpointing (`sharded_state_dict`) of
-these experts (save and load the plain state dict).
+probs applied on the input, clamped or offset GLUs.
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
 module itself runs, and is tested, without it.
 """
@@ -81,11 +84,53 @@ class _MegatronExperts:
         raise NotImplementedError("megatron_tma experts compute weight gradients in the backward itself "
                                   "(config.delay_wgrad_compute is not supported)")
 
+    def _expert_groups(self):
+        """(expert-parallel, expert-data-parallel, expert-tensor-parallel) process groups."""
+        pgs = getattr(self, "_pg_collection", None)
+        if pgs is not None:
+            return pgs.ep, pgs.expt_dp, pgs.expt_tp
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group(),
+                ps.get_expert_tensor_parallel_group())
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        raise NotImplementedError(
-            "Megatron's distributed checkpointing of megatron_tma experts is not implemented; the plain state dict "
-            "(Transformer Engine's keys linear_fc{1,2}.weight{i}) saves and loads them"
-        )
+        """Megatron's distributed checkpoint of the experts, laid out as Megatron's own experts lay theirs out
+        (`SequentialMLP`, and `TEGroupedMLP`, which matches it): per local expert, its fc1 / fc2 weight as a shard of
+        `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's fc1 split into its gate and up
+        halves by Megatron's own factory), replicated over the expert-data-parallel group. The dictionary keys are
+        this module's state-dict keys (`linear_fc{1,2}.weight{i}`), so a loaded checkpoint goes back through
+        `load_state_dict`. The linears' `_extra_state` objects of Megatron's experts are not written (a Megatron
+        expert checkpoint loads here; one written here lacks them for Megatron's experts)."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        singleton = metadata.get("singleton_local_shards", False)
+        ep, expt_dp, expt_tp = self._expert_groups()
+        num_global, first = ep.size() * self.num_experts, ep.rank() * self.num_experts
+        fc1, fc2 = self.linear_fc1.expert_weights(), self.linear_fc2.expert_weights()
+        out = {}
+        for i in range(self.num_experts):
+            g = first + i
+            if singleton:
+                sharded_prefix, offsets = f"{prefix}experts.{g}.", sharded_offsets
+            else:
+                sharded_prefix, offsets = f"{prefix}experts.", (*sharded_offsets, (len(sharded_offsets), g, num_global))
+            local = f"{prefix}local_experts.{i}."  # SequentialMLP's module path, renamed below as it renames it
+            for name, weight, tp_axis in (("linear_fc1", fc1[i], 0), ("linear_fc2", fc2[i], 1)):
+                key = f"{local}{name}.weight"
+                sub = make_sharded_tensors_for_checkpoint({"weight": weight}, f"{local}{name}.", {"weight": tp_axis},
+                                                          offsets, tp_group=expt_tp, dp_cp_group=metadata["dp_cp_group"])
+                if name == "linear_fc1" and self.activation == "swiglu":
+                    sub[key] = apply_swiglu_sharded_factory(sub[key], offsets, singleton, tp_group=expt_tp,
+                                                            dp_group=metadata["dp_cp_group"])
+                replace_prefix_for_sharding(sub, local, sharded_prefix)
+                sharded = sub[key]
+                sharded.replica_id = (*sharded.replica_id[:2], expt_dp.rank())  # replicated over expert DP
+                out[f"{prefix}{name}.weight{i}"] = sharded
+        return out
 
 
 class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
@@ -105,7 +150,7 @@ class MegatronBF16Experts(_MegatronExperts, GroupedBF16MLP):
 def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name: Optional[str] = None,
                      mode: str = "unpadded", backend: str = "auto"):
     """Megatron's experts builder signature (`MoESubmodules.experts`); `mode` picks the MLP (module docstring)."""
-    del pg_collection, name  # the experts need no process group of their own: the dispatcher moves the tokens
+    del name
     pad_to = pad_to_of(mode)
     args = expert_mlp_args(config)
     device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()
@@ -114,6 +159,7 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     else:
         module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device)
     module._setup_for_megatron(config)
+    module._pg_collection = pg_collection  # the expert process groups, for the distributed checkpoint
     return module
 
 
