@@ -96,7 +96,7 @@ class _MegatronExperts:
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's distributed checkpoint of the experts, laid out as Megatron's own experts lay theirs out
-        (`SequentialMLP`, and `TEGroupedMLP`, which matches it): per local expert, its fc1 / fc2 weight as a shard of
+        (`SequentialMLP`; `TEGroupedMLP` matches it, says its docstring, not checked here): per local expert, its fc1 / fc2 weight as a shard of
         `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's fc1 split into its gate and up
         halves by Megatron's own factory), replicated over the expert-data-parallel group. The dictionary keys are
         this module's state-dict keys (`linear_fc{1,2}.weight{i}`), so a loaded checkpoint goes back through
