@@ -9,8 +9,9 @@ router with its aux loss, the all-to-all token dispatcher), Float16Module, Megat
 buffers (`main_grad`, which the K-grouped GEMM accumulates into), Megatron's mixed-precision Adam (FP32 master
 weights copied into the BF16 parameters through `.data`, the update no version counter sees), the no-pipelining
 forward/backward schedule over `--micro-batches` micro-batches, gradient clipping, and torch's deterministic
-algorithms (without them Megatron's top-k combine sums with atomics: at top-3 and above no two runs are equal). Only the MoE layers' experts are
-switched, by the config flag `config.moe_megatron_tma_experts` (megatron_tma.mcore.spec):
+algorithms (without them Megatron's top-k combine sums with atomics; at top-4, runs that must match differed in the
+last bits). Only the MoE layers' experts are switched, by the config flag `config.moe_megatron_tma_experts`
+(megatron_tma.mcore.spec):
 * `unpadded`: megatron_tma's FP8 experts, no padding anywhere;
 * `padded16` / `padded128`: the same FP8 Functions on every expert's tokens padded to 16 / 128 rows (what
   Transformer Engine's and DeepGEMM's FP8 expert paths need);
@@ -23,15 +24,16 @@ sees the same batches; the loss can fall from ln(vocab) to the data's entropy (r
 
 Checks (the exit status is 1 if one fails): every mode starts from the same weights (dense layers and experts, under
 megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Megatron's own, compute their function
-on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad norms are equal to the unpadded
-mode's bit for bit, and so are all parameters after the last step (`torch.equal`, every rank its own). Reported,
-not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean gap). Writes
-`moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to `--out`
-(`--plot RESULT.json` redraws the PNG from a result, on any machine).
+on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
+norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every
+rank its own). Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
+gap). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to
+`--out` (`--plot RESULT.json` redraws the PNG from a result, on any machine).
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
-cause not found). At the default size that is ~2 GB per mode; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of
-FFN 2048) the third mode runs out of memory on an H200: run at most two modes per process there.
+cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
+2048, ~58 GB per model with its Adam states) the third mode runs out of memory on an H200: run at most two modes per
+process there.
 """
 import argparse
 import datetime
@@ -377,7 +379,8 @@ def plot(result, path):
                 gap.plot([x - y for x, y in zip(curve, losses[ref])], color=color, ls=ls, lw=lw, label=mode)
         gap.axhline(0, color="k", lw=0.5)
         names = {"megatron": "Megatron's own BF16 experts", "bf16": "BF16 experts"}
-        gap.set(xlabel="step", ylabel=f"loss - {ref} loss", title=f"against {names[ref]} (same data, same initial weights)")
+        gap.set(xlabel="step", ylabel=f"loss - {ref} loss",
+                title=f"against {names[ref]} (same data, same initial weights)")
         gap.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

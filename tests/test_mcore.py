@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from megatron_tma import mcore
 from megatron_tma.mcore import expert_mlp_args, megatron_experts, pad_to_of
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
 
 
 def squared_relu(x):  # the name Megatron's megatron.core.activations.squared_relu has

@@ -96,12 +96,12 @@ class _MegatronExperts:
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """Megatron's distributed checkpoint of the experts, laid out as Megatron's own experts lay theirs out
-        (`SequentialMLP`; `TEGroupedMLP` matches it, says its docstring, not checked here): per local expert, its fc1 / fc2 weight as a shard of
-        `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's fc1 split into its gate and up
-        halves by Megatron's own factory), replicated over the expert-data-parallel group. The dictionary keys are
-        this module's state-dict keys (`linear_fc{1,2}.weight{i}`), so a loaded checkpoint goes back through
-        `load_state_dict`. The linears' `_extra_state` objects of Megatron's experts are not written (a Megatron
-        expert checkpoint loads here; one written here lacks them for Megatron's experts)."""
+        (`SequentialMLP`; `TEGroupedMLP` matches it, says its docstring, not checked here): per local expert, its
+        fc1 / fc2 weight as a shard of `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's
+        fc1 split into its gate and up halves by Megatron's own factory), replicated over the expert-data-parallel
+        group. The dictionary keys are this module's state-dict keys (`linear_fc{1,2}.weight{i}`), so a loaded
+        checkpoint goes back through `load_state_dict`. The linears' `_extra_state` objects of Megatron's experts
+        are not written (a Megatron expert checkpoint loads here; one written here lacks them for Megatron's)."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
@@ -122,7 +122,8 @@ class _MegatronExperts:
             for name, weight, tp_axis in (("linear_fc1", fc1[i], 0), ("linear_fc2", fc2[i], 1)):
                 key = f"{local}{name}.weight"
                 sub = make_sharded_tensors_for_checkpoint({"weight": weight}, f"{local}{name}.", {"weight": tp_axis},
-                                                          offsets, tp_group=expt_tp, dp_cp_group=metadata["dp_cp_group"])
+                                                          offsets, tp_group=expt_tp,
+                                                          dp_cp_group=metadata["dp_cp_group"])
                 if name == "linear_fc1" and self.activation == "swiglu":
                     sub[key] = apply_swiglu_sharded_factory(sub[key], offsets, singleton, tp_group=expt_tp,
                                                             dp_group=metadata["dp_cp_group"])

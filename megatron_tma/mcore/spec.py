@@ -2,7 +2,7 @@
 
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True)        # or the Transformer Engine spec
     config.moe_megatron_tma_experts = "unpadded"                                  # the config flag (None: Megatron's)
-    spec = layer_spec_from_config(spec, config)                                   # = use_megatron_tma_experts(spec, ...)
+    spec = layer_spec_from_config(spec, config)                   # = use_megatron_tma_experts(spec, config.<flag>)
     model = GPTModel(config=config, transformer_layer_spec=spec, ...)
 
 Only the `experts` builder of each `MoELayer` changes: the router, the token dispatcher (and its all-to-all over
