@@ -32,12 +32,15 @@ gap). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, th
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
 cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
-2048, ~58 GB per model with its Adam states) the third mode runs out of memory on an H200: run at most two modes per
-process there.
+2048, ~58 GB per model with its Adam states) the third mode runs out of memory on an H200. There, run each mode in
+its own process (`--modes unpadded`, `--modes padded16`, ...) and merge the results with `--compare A.json B.json
+...`, which checks them as one run: the comparisons use per-tensor SHA-256 digests of every rank's weights, so no
+process keeps another's model.
 """
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import math
 import os
@@ -95,6 +98,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
+    p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
+                   help="merge results of the same run settings, each with its own modes (one process per mode, for "
+                        "models too large to hold several), check them as one run and write the merged result")
     return p.parse_args(argv)
 
 
@@ -203,13 +209,29 @@ def experts_against_megatron(gpt, seed):
 
 
 def canonical_weights(model):
-    """The model's weights under megatron_tma's state-dict keys (SequentialMLP's per-expert MLPs renamed), on the
-    host: what every mode must start from."""
-    out = {}
+    """(name, tensor) of the model's weights under megatron_tma's state-dict keys (SequentialMLP's per-expert MLPs
+    renamed): what every mode must start from."""
+    pattern = re.compile(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$")
     for key, value in model.state_dict().items():
         if isinstance(value, torch.Tensor):
-            key = re.sub(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$", r"experts.linear_fc\2.weight\1", key)
-            out[key] = value.detach().cpu().clone()
+            yield pattern.sub(r"experts.linear_fc\2.weight\1", key), value
+
+
+def digests(named_tensors):
+    """{name: SHA-256 of shape, dtype and bytes}: equal digests mean equal bits. One host copy at a time, so that
+    whole models can be compared across modes and processes without keeping them."""
+    out = {}
+    for name, t in named_tensors:
+        h = hashlib.sha256(f"{tuple(t.shape)} {t.dtype}".encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        out[name] = h.hexdigest()
+    return out
+
+
+def gathered(obj):
+    """Every rank's `obj`, in rank order (each rank holds its own experts)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 
@@ -225,15 +247,11 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def train(args, mode, rank, batches, init_ref):
+def train(args, mode, rank, batches):
+    """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
+    weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
     model, optimizer = build(args, mode)
-    init = canonical_weights(model)
-    if not init_ref:
-        init_ref.update(init)
-        same_init = True
-    else:
-        same_init = init.keys() == init_ref.keys() and all(torch.equal(init[k], init_ref[k]) for k in init)
-    del init
+    init_digests = gathered(digests(canonical_weights(model)))
     diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
     data = replay(batches)
     fwd_bwd = get_forward_backward_func()
@@ -259,13 +277,14 @@ def train(args, mode, rank, batches, init_ref):
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
-    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    param_digests = gathered(digests(model.named_parameters()))
     config = model.config
     config.no_sync_func = config.finalize_model_grads_func = None  # they hold the model: let it go
     del model, optimizer, config, out
     gc.collect()  # the model and its config reference each other
     torch.cuda.empty_cache()
-    return losses, grad_norms, times, params, same_init, diffs
+    return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
+            "param_digests": param_digests, "experts_diff_vs_megatron": diffs}
 
 
 def main(argv=None):
@@ -274,9 +293,11 @@ def main(argv=None):
         with open(args.plot) as f:
             plot(json.load(f), args.plot[:-len(".json")] + ".png")
         return 0
+    if args.compare:
+        return compare(args.compare, args.out)
     # Bit-exact comparisons need the rest of the model deterministic too: Megatron sums a token's top-k expert
-    # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on, and with k >= 3 two runs of
-    # the same mode then differ in the last bits (seen at top-4). warn_only: ops without a deterministic kernel warn.
+    # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on (at top-4, unpadded and
+    # padded16 differed from step 0 without them). warn_only: ops without a deterministic kernel warn.
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill of every torch.empty in the timings
     dist.init_process_group("nccl")
@@ -285,42 +306,8 @@ def main(argv=None):
     args.ep = args.ep or world
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
     batches, loss_floor = chain_batches(args, rank)
-    runs, init_ref = {}, {}
-    for mode in args.modes:
-        runs[mode] = train(args, mode, rank, batches, init_ref)
-    del init_ref
-    failures, report = [], {}
-    ref = "unpadded" if "unpadded" in runs else None
-    for mode, (losses, norms, times, params, same_init, diffs) in runs.items():
-        tail = max(1, len(losses) // 10)
-        row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
-               "ms_per_step_median": sorted(times[1:] or times)[len(times[1:] or times) // 2],
-               "same_initial_weights": same_init}
-        if not same_init:
-            failures.append(f"{mode} did not start from the first mode's weights (the comparison is void)")
-        if diffs is not None:  # Megatron's own experts against megatron_tma's, same weights and tokens
-            row["experts_diff_vs_megatron"] = diffs
-            if not (diffs["bf16"] < 1e-4 and diffs["unpadded"] < 3e-3):
-                failures.append(f"megatron_tma's experts do not compute Megatron's experts' function: {diffs}")
-        if ref and mode.startswith("padded"):
-            r_losses, r_norms, _, r_params, *_ = runs[ref]
-            same_loss = losses == r_losses
-            same_norm = norms == r_norms
-            same_params = params.keys() == r_params.keys() and all(torch.equal(params[k], r_params[k]) for k in params)
-            row.update(bitexact_losses=same_loss, bitexact_grad_norms=same_norm, bitexact_params=same_params)
-            if not (same_loss and same_norm and same_params):
-                first = next((i for i, (a, b) in enumerate(zip(losses, r_losses)) if a != b), None)
-                failures.append(f"{mode} differs from unpadded (losses equal: {same_loss}, first differing step "
-                                f"{first}; grad norms equal: {same_norm}; parameters equal: {same_params})")
-        for other in ("bf16", "megatron"):  # the BF16 references: megatron_tma's BF16 experts, Megatron's own
-            if other in runs and mode != other:
-                b = runs[other][0]
-                row[f"max_abs_loss_gap_vs_{other}"] = max(abs(x - y) for x, y in zip(losses, b))
-                row[f"final_window_gap_vs_{other}"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
-        report[mode] = row
-    gathered = [None] * world  # each rank compared its own experts' parameters
-    dist.all_gather_object(gathered, failures)
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(gathered) for f in fs]
+    runs = {mode: train(args, mode, rank, batches) for mode in args.modes}
+    report, failures = summarize(runs)
     if rank == 0:
         write_results(args, runs, report, failures, world, loss_floor)
     dist.barrier()
@@ -328,24 +315,113 @@ def main(argv=None):
     return 1 if failures else 0
 
 
+def summarize(runs):
+    """(report per mode, failures) from the runs' records, in this process or merged from several (`--compare`).
+    Failures: a mode that did not start from the first mode's weights; megatron_tma's experts not computing Megatron's
+    experts' function; a padded mode whose losses, grad norms or final parameters differ from the unpadded mode's."""
+    failures, report = [], {}
+    first = next(iter(runs.values()))
+    ref = runs.get("unpadded")
+    for mode, run in runs.items():
+        losses, norms, times = run["losses"], run["grad_norms"], run["times"]
+        tail = max(1, len(losses) // 10)
+        timed = sorted(times[1:] or times)
+        row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
+               "ms_per_step_median": timed[len(timed) // 2],
+               "same_initial_weights": run["init_digests"] == first["init_digests"]}
+        if not row["same_initial_weights"]:
+            failures.append(f"{mode} did not start from the first mode's weights (the comparison is void)")
+        diffs = run.get("experts_diff_vs_megatron")
+        if diffs is not None:  # Megatron's own experts against megatron_tma's, same weights and tokens
+            row["experts_diff_vs_megatron"] = diffs
+            if not (diffs["bf16"] < 1e-4 and diffs["unpadded"] < 3e-3):
+                failures.append(f"megatron_tma's experts do not compute Megatron's experts' function: {diffs}")
+        if ref is not None and mode.startswith("padded"):
+            same_loss, same_norm = losses == ref["losses"], norms == ref["grad_norms"]
+            same_params = run["param_digests"] == ref["param_digests"]
+            row.update(bitexact_losses=same_loss, bitexact_grad_norms=same_norm, bitexact_params=same_params)
+            if not (same_loss and same_norm and same_params):
+                step = next((i for i, (x, y) in enumerate(zip(losses, ref["losses"])) if x != y), None)
+                failures.append(f"{mode} differs from unpadded (losses equal: {same_loss}, first differing step "
+                                f"{step}; grad norms equal: {same_norm}; parameters equal: {same_params})")
+        for other in ("bf16", "megatron"):  # the BF16 references: megatron_tma's BF16 experts, Megatron's own
+            if other in runs and mode != other:
+                b = runs[other]["losses"]
+                row[f"max_abs_loss_gap_vs_{other}"] = max(abs(x - y) for x, y in zip(losses, b))
+                row[f"final_window_gap_vs_{other}"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
+        report[mode] = row
+    return report, failures
+
+
 def write_results(args, runs, report, failures, world, loss_floor):
     stamp = datetime.datetime.now(datetime.timezone.utc)
-    os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
     result = {
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(), "date": stamp.isoformat(), "world_size": world,
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")}, "loss_floor": loss_floor,
-        "summary": report, "failures": failures,
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare")},
+        "loss_floor": loss_floor, "summary": report, "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
-                 for m, (losses, norms, times, *_) in runs.items()
-                 for i, (l, n, t) in enumerate(zip(losses, norms, times))],
+                 for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
+                                                                                run["times"]))],
+        "records": {m: {k: run[k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron")}
+                    for m, run in runs.items()},
     }
+    save(result, args.out, stamp)
+
+
+def save(result, out_dir, stamp):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"summary": report, "failures": failures}, indent=1))
+    print(json.dumps({"summary": result["summary"], "failures": result["failures"]}, indent=1))
     plot(result, base + ".png")
+
+
+def runs_of(result):
+    """The per-mode records of a result (what summarize() reads), rebuilt from its rows and records."""
+    if "records" not in result:
+        raise SystemExit("--compare: a result without digests (written before 2026-11-29 23:00); run it again")
+    runs = {}
+    for row in result["rows"]:
+        run = runs.setdefault(row["mode"], {"losses": [], "grad_norms": [], "times": []})
+        run["losses"].append(row["loss"])
+        run["grad_norms"].append(row["grad_norm"])
+        run["times"].append(row["ms"])
+    for mode, record in result["records"].items():
+        runs[mode].update(record)
+    return runs
+
+
+def compare(paths, out_dir):
+    """Merge results that ran the same settings with different modes (each process its own), check them as one."""
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    settings = [({k: v for k, v in r["config"].items() if k != "modes"}, r["world_size"], r["loss_floor"])
+                for r in results]
+    if any(s != settings[0] for s in settings):
+        raise SystemExit("--compare: the results ran different settings (config other than --modes, world size or "
+                         "data); they cannot be compared")
+    runs = {}
+    for r in results:
+        for mode, run in runs_of(r).items():
+            if mode in runs:
+                raise SystemExit(f"--compare: mode {mode} appears in more than one result")
+            runs[mode] = run
+    report, failures = summarize(runs)
+    first = results[0]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    merged = {**{k: first[k] for k in ("benchmark", "commit", "gpu", "world_size", "loss_floor")},
+              "date": stamp.isoformat(), "command": "python recipes/moe_gpt.py --compare " + " ".join(paths),
+              "merged_from": [{k: r[k] for k in ("commit", "date", "command")} for r in results],
+              "config": {**first["config"], "modes": list(runs)}, "summary": report, "failures": failures,
+              "rows": [row for r in results for row in r["rows"]],
+              "records": {m: r["records"][m] for r in results for m in r["records"]}}
+    save(merged, out_dir, stamp)
+    return 1 if failures else 0
 
 
 def plot(result, path):

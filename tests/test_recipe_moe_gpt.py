@@ -1,0 +1,93 @@
+"""recipes/moe_gpt.py's bookkeeping on the CPU: digests, the checks of summarize() (what makes the recipe fail), and
+`--compare`, which merges runs made in separate processes (one per mode, for models too large to hold several).
+The training itself runs on the GPU (tests/test_mcore_gpu.py). Needs megatron-core (the recipe imports it)."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                reason="megatron-core is not installed (the recipe imports it)")
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
+    spec = importlib.util.spec_from_file_location("moe_gpt", os.path.join(ROOT, "recipes", "moe_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_digests_see_bits_shape_and_dtype(recipe):
+    a = torch.randn(4, 6, dtype=torch.bfloat16)
+    b = a.clone()
+    c = a.clone()
+    c.view(torch.int16).view(-1)[5] += 1  # one element, one ulp
+    d = recipe.digests([("w", a), ("v", b), ("c", c), ("t", a.t()), ("f", a.float()), ("r", a.reshape(6, 4))])
+    assert d["w"] == d["v"] and d["w"] != d["c"]
+    assert len({d["w"], d["t"], d["f"], d["r"]}) == 4  # transposed bits, another dtype, another shape
+
+
+def _run(losses, norms, params="p", init="i", diffs=None):
+    return {"losses": list(losses), "grad_norms": list(norms), "times": [100.0] * len(losses),
+            "init_digests": [{"w": init}], "param_digests": [{"w": params}], "experts_diff_vs_megatron": diffs}
+
+
+def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
+    base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
+    good = {"unpadded": _run(**base), "padded16": _run(**base), "bf16": _run([7.0, 5.1, 3.2], [2.0, 1.1, 0.6]),
+            "megatron": _run([7.0, 5.1, 3.1], [2.0, 1.1, 0.6], diffs={"bf16": 8e-6, "unpadded": 2e-3})}
+    report, failures = recipe.summarize(good)
+    assert failures == []
+    assert report["padded16"]["bitexact_losses"] and report["padded16"]["bitexact_params"]
+    assert report["unpadded"]["final_window_gap_vs_bf16"] == pytest.approx(-0.2)
+    assert report["unpadded"]["max_abs_loss_gap_vs_megatron"] == pytest.approx(0.1)
+    bad = [
+        ({"padded16": _run([7.0, 5.0, 3.0000001], base["norms"])}, "first differing step 2"),
+        ({"padded16": _run(base["losses"], [2.0, 1.0, 0.50001])}, "grad norms equal: False"),
+        ({"padded16": _run(**base, params="q")}, "parameters equal: False"),
+        ({"padded16": _run(**base, init="j")}, "did not start from the first mode's weights"),
+        ({"megatron": _run(**base, diffs={"bf16": 2e-4, "unpadded": 2e-3})}, "do not compute Megatron's experts"),
+    ]
+    for change, message in bad:
+        _, failures = recipe.summarize({**good, **change})
+        assert len(failures) == 1 and message in failures[0], (change, failures)
+
+
+def _result(recipe, runs, modes, tmp_path, name, **config_change):
+    config = {"steps": 3, "hidden": 1024, "modes": modes, **config_change}
+    result = {"benchmark": "moe_gpt", "commit": "abc1234", "gpu": "NVIDIA H200", "date": "2026-11-29T23:00:00",
+              "command": f"torchrun recipes/moe_gpt.py --modes {' '.join(modes)}", "world_size": 1,
+              "loss_floor": 2.0, "config": config, "summary": {}, "failures": [],
+              "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": 100.0}
+                       for m in modes for i, (l, n) in enumerate(zip(runs[m]["losses"], runs[m]["grad_norms"]))],
+              "records": {m: {k: runs[m][k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron")}
+                          for m in modes}}
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
+    base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
+    runs = {"unpadded": _run(**base), "padded16": _run(**base), "padded128": _run(**base, params="q")}
+    a = _result(recipe, runs, ["unpadded"], tmp_path, "a.json")
+    b = _result(recipe, runs, ["padded16"], tmp_path, "b.json")
+    c = _result(recipe, runs, ["padded128"], tmp_path, "c.json")
+    out = tmp_path / "merged"
+    assert recipe.compare([a, b], str(out)) == 0
+    (merged,) = [json.load(open(p)) for p in out.glob("moe_gpt-*.json")]
+    assert merged["failures"] == [] and merged["config"]["modes"] == ["unpadded", "padded16"]
+    assert merged["summary"]["padded16"]["bitexact_params"] and len(merged["rows"]) == 6
+    assert recipe.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
+    d = _result(recipe, runs, ["padded16"], tmp_path, "d.json", hidden=2048)
+    with pytest.raises(SystemExit, match="different settings"):
+        recipe.compare([a, d], str(tmp_path / "merged3"))
+    with pytest.raises(SystemExit, match="more than one result"):
+        recipe.compare([a, a], str(tmp_path / "merged4"))
