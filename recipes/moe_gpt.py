@@ -95,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="recipes/results")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
