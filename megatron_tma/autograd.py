@@ -12,9 +12,11 @@ which keeps Megatron checkpoints interchangeable). G separate tensors that lie b
 quantization (a transient BF16 copy), which the cache below makes once per weight version.
 
 Weight gradients (Megatron's convention): a weight with a `main_grad` attribute (a tensor of its shape, FP32 or
-BF16) gets its gradient accumulated there, its `.grad` stays None (the Function returns None for it; the
-AccumulateGrad hooks Megatron's DDP registers still fire) and, if it has the attribute, `grad_added_to_main_grad`
-is set to True, the flag that hook reads. Weights without `main_grad` get a gradient of their own dtype in `.grad`.
+BF16) gets its gradient accumulated there. If it also has `grad_added_to_main_grad` (set by Megatron's DDP), that
+flag is set to True and the Function returns an uninitialized dummy gradient (zeros if `zero_out_wgrad`), as
+Megatron's own linears do: DDP's hook on the weight's AccumulateGrad node requires one when it overlaps the gradient
+reduction, reads the flag, does not add it, and clears `.grad`. Otherwise the Function returns None for it and
+`.grad` stays None. Weights without `main_grad` get a gradient of their own dtype in `.grad`.
 Either all weights of one call carry `main_grad` or none. FP32 `main_grad`s that form one `[G, N, K]` block (one
 tensor, or G tensors back to back in expert order, as Megatron's grad buffer lays out consecutive parameters) are
 accumulated by the K-grouped GEMM itself (`D = C + dY^T . X` in FP32); otherwise the GEMM writes an FP32
@@ -291,10 +293,18 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
     else:  # BF16 main_grads, or FP32 ones that are not one [G, N, K] block: one FP32 result, added once
         dw = wgrad(out_dtype=torch.float32)
         torch._foreach_add_(main, [dw] if len(main) == 1 else list(dw.unbind(0)))
-    for w in weights:
-        if hasattr(w, "grad_added_to_main_grad"):
+    grads = []
+    for w, need in zip(weights, needs):
+        if hasattr(w, "grad_added_to_main_grad"):  # Megatron's DDP owns this weight
             w.grad_added_to_main_grad = True
-    return [None] * len(weights)
+            # DDP's hook on the weight's AccumulateGrad node requires a gradient when it overlaps the gradient
+            # reduction (`param.grad being None is not safe`); like Megatron's own linears, hand it a dummy that it
+            # drops without adding (grad_added_to_main_grad), zeros if the weight asks for them.
+            dummy = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+            grads.append(dummy(w.shape, dtype=w.dtype, device=w.device) if need else None)
+        else:
+            grads.append(None)
+    return grads
 
 
 def fp8_grouped_linear(

@@ -97,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
     p.add_argument("--out", default="recipes/results")
     p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron DDP's overlapped gradient reduction (its hooks then require a gradient per weight)")
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
                    help="merge results of the same run settings, each with its own modes (one process per mode, for "
@@ -159,8 +161,8 @@ def build(args, mode):
                    max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
     if mode == "megatron":
         redraw_megatron_experts(gpt, config, args.seed)
-    model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), Float16Module(config, gpt))
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce)
+    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(

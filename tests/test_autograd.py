@@ -271,6 +271,29 @@ def test_groups_as_offsets(gen):
     assert torch.equal(ya, yb) and torch.equal(dxa, dxb) and torch.equal(a.grad, b.grad)
 
 
+def _megatron_ddp_hook(w, i, fired):
+    """What Megatron-core's DDP runs on a weight's AccumulateGrad node (`_make_backward_post_hook`), with
+    overlap_grad_reduce=True: a gradient must be there; it is added to main_grad unless the layer already did."""
+
+    def hook(*_):
+        assert w.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+        if not w.grad_added_to_main_grad:
+            w.main_grad.add_(w.grad)
+        w.grad = None
+        fired.append(i)
+
+    return hook
+
+
+def test_main_grad_without_megatrons_flag_leaves_grad_none(gen):
+    """A `main_grad` outside Megatron's DDP (no grad_added_to_main_grad): accumulated there, `.grad` stays None."""
+    x, w, sizes, dy = _linear_case(gen)
+    weight = w.clone().requires_grad_()
+    weight.main_grad = torch.zeros(w.shape)
+    _linear_grads(x, weight, sizes, dy)
+    assert weight.grad is None and weight.main_grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("layout", ["stacked", "adjacent", "separate"])
 def test_main_grad_accumulates_and_grad_stays_none(gen, layout):
     x, w, sizes, dy = _linear_case(gen)
@@ -286,16 +309,16 @@ def test_main_grad_accumulates_and_grad_stays_none(gen, layout):
     for wi, b in zip(weights, buffers):
         wi.main_grad = b
         wi.grad_added_to_main_grad = False
-    fired = []
-    hooks = [wi.expand_as(wi).grad_fn.next_functions[0][0] for wi in weights]  # Megatron's DDP hook point
-    for i, acc in enumerate(hooks):
-        acc.register_hook(lambda *_, i=i: fired.append(i))
+    fired, grad_accs = [], []  # (DDP keeps the AccumulateGrad nodes alive, or their hooks go with them)
+    for i, wi in enumerate(weights):  # Megatron DDP's backward post-hook, as with overlap_grad_reduce=True
+        grad_accs.append(wi.expand_as(wi).grad_fn.next_functions[0][0])
+        grad_accs[-1].register_hook(_megatron_ddp_hook(wi, i, fired))
 
     arg = weights[0] if layout == "stacked" else weights
     _linear_grads(x, arg, sizes, dy)
     _linear_grads(x, arg, sizes, dy2)
     assert all(wi.grad is None and wi.grad_added_to_main_grad for wi in weights)
-    assert sorted(fired) == sorted(list(range(len(weights))) * 2), "the AccumulateGrad hooks must still fire"
+    assert sorted(fired) == sorted(list(range(len(weights))) * 2), "the AccumulateGrad hooks must fire"
 
     # Expected: 0.5 + dW1 + dW2 with each dW the FP32 K-grouped result (D = C + A.B in FP32, in call order).
     expected = torch.full(w.shape, 0.5)

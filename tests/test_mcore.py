@@ -139,7 +139,7 @@ def test_fp8_cache_follows_megatrons_iteration_signal():
     out0, _ = experts(x, sizes, probs)
     out0.float().sum().backward()
     assert all(w.grad_added_to_main_grad is True for w in weights)  # set by the backward (main_grad path)
-    assert all(w.main_grad.abs().sum() > 0 and w.grad is None for w in weights)
+    assert all(w.main_grad.abs().sum() > 0 for w in weights)
 
     with torch.no_grad():  # "the optimizer step": through .data, invisible to the version counter
         for w in weights:
