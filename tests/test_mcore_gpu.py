@@ -22,8 +22,8 @@ pytestmark = [
 ]
 
 
-SMALL = ["--layers", "2", "--hidden", "256", "--heads", "4", "--experts", "8", "--expert-ffn", "256", "--seq-len", "128",
-         "--micro-batch-size", "4", "--lr", "2e-3", "--log-every", "8"]
+SMALL = ["--layers", "2", "--hidden", "256", "--heads", "4", "--experts", "8", "--expert-ffn", "256",
+         "--seq-len", "128", "--micro-batch-size", "4", "--lr", "2e-3", "--log-every", "8"]
 
 
 def _recipe(tmp_path, *args):
