@@ -17,7 +17,8 @@ What the Megatron side needs, and where it is done here:
   `allreduce` is False when expert parallelism is on, so that Megatron's DDP reduces their gradients over the
   expert-data-parallel group, as it does for its own experts.
 * Gradients: into `main_grad` when Megatron's DDP gives the weight one (the K-grouped GEMM accumulates into the
-  FP32 buffer), with `grad_added_to_main_grad` set (megatron_tma.autograd).
+  FP32 buffer), with `grad_added_to_main_grad` set and a dummy gradient for DDP's hooks, which need one when they
+  overlap the gradient reduction (megatron_tma.autograd).
 * The FP8 weight cache. Megatron's optimizers write the new weights through `param.data` (or into the DDP buffer
   the parameters view), which no version counter sees, and Megatron sets `is_first_microbatch` only when
   `config.fp8` is set (Transformer Engine's FP8). So the cache here is invalidated by Megatron's own per-iteration
