@@ -298,23 +298,27 @@ def _weights(model):
 def _expert_shards(sharded_state_dict):
     """The experts' entries of a Megatron sharded state dict as {(key, global offset): (global shape, axis
     fragmentations, replica id, data)}, factories (SwiGLU's fc1) expanded into the shards they write."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     out = {}
     for v in sharded_state_dict.values():
         shards = v.build() if isinstance(v, ShardedTensorFactory) else [v]
         for sh in shards:
-            if isinstance(sh, ShardedTensor) and ".experts." in sh.key:
+            if ".experts." not in sh.key:
+                continue
+            if isinstance(sh, ShardedTensor):
                 out[(sh.key, sh.global_offset)] = (sh.global_shape, sh.axis_fragmentations, sh.replica_id, sh.data)
+            elif isinstance(sh, ShardedObject):  # the linears' _extra_state
+                out[(sh.key, sh.global_offset)] = (sh.global_shape, None, sh.replica_id, sh.data)
     return out
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
-    """The experts' sharded state dict writes the shards Megatron's own experts (SequentialMLP) write: the same
-    tensor keys, global shapes, offsets along the global expert axis, fragmentation, replica ids and data, so that a
-    checkpoint of Megatron's experts loads into these (next test)."""
+    """The experts' sharded state dict writes what Megatron's own experts (SequentialMLP) write: the same tensor and
+    object keys, global shapes, offsets along the global expert axis, fragmentation, replica ids and data, so that
+    checkpoints go both ways (next test)."""
     def build(mode):
         return _small_gpt(mode, activation)
 
@@ -322,22 +326,25 @@ def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
     _randomize(theirs, 21)
     ours.load_state_dict(_weights(theirs))
     a, b = _expert_shards(theirs.sharded_state_dict()), _expert_shards(ours.sharded_state_dict())
-    assert len(a) == 2 * 4 * (3 if activation == "swiglu" else 2)  # layers x experts x (gate, up, fc2) shards
+    # layers x experts x ((gate, up) or fc1, fc2 weight shards + two _extra_state objects)
+    assert len(a) == 2 * 4 * ((3 if activation == "swiglu" else 2) + 2)
     assert a.keys() == b.keys()
     for k in a:
         (shape_a, frag_a, rep_a, data_a), (shape_b, frag_b, rep_b, data_b) = a[k], b[k]
         assert (shape_a, frag_a, rep_a) == (shape_b, frag_b, rep_b), k
-        assert torch.equal(data_a, data_b), k
+        assert (data_a is None and data_b is None) or torch.equal(data_a, data_b), k
     sd = ours.sharded_state_dict()
-    assert {k for k in sd if ".experts." in k} == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.weight{e}"
-                                                   for layer in range(2) for i in (1, 2) for e in range(4)}
+    assert {k for k in sd if ".experts." in k} == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.{what}{e}"
+                                                   for layer in range(2) for i in (1, 2) for e in range(4)
+                                                   for what in ("weight", "_extra_state")}
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU variant: it stands in for Megatron's CUDA calls")
 def test_distributed_checkpoint_save_and_load(megatron_cpu, tmp_path, monkeypatch):
     """Megatron's `torch_dist` checkpoint through `dist_checkpointing.save` / `load` and `load_state_dict`: one of
-    Megatron's own experts loads into megatron_tma's (every weight equal), and megatron_tma's round-trips. Megatron's
+    Megatron's own experts loads into megatron_tma's (every weight equal), megatron_tma's round-trips, and loads into
+    Megatron's experts. Megatron's
     writer synchronises and broadcasts on the current CUDA device; on this CPU machine those two calls are stood in
     for (a no-op sync, the host as the device), nothing else."""
     from megatron.core import dist_checkpointing
@@ -357,3 +364,7 @@ def test_distributed_checkpoint_save_and_load(megatron_cpu, tmp_path, monkeypatc
     ours.load_state_dict(dist_checkpointing.load(ours.sharded_state_dict(), str(tmp_path / "ours")))
     a, b = _weights(other), _weights(ours)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # and back: megatron_tma's checkpoint into Megatron's experts (their linears' _extra_state objects are there)
+    theirs.load_state_dict(dist_checkpointing.load(theirs.sharded_state_dict(), str(tmp_path / "ours")))
+    a, b = _weights(other), _weights(theirs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -27,10 +27,10 @@ What the Megatron side needs, and where it is done here:
   micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up, re-quantizes too: the same
   bits again). Weights without the attribute (no Megatron DDP) rely on the version counter, which PyTorch's
   optimizers do move; `invalidate_fp8_weights(model)` is there for any other update path.
-* Megatron's distributed checkpoint (`sharded_state_dict`): the shards Megatron's own experts write, so that their
-  checkpoints load here (tests/test_mcore.py: the shards equal `SequentialMLP`'s, and a `torch_dist` save and load
-  through Megatron's writer, on the CPU with its two CUDA calls stood in for; not yet run on the GPU). A checkpoint
-  written here does not load into Megatron's experts: it lacks their linears' `_extra_state` objects.
+* Megatron's distributed checkpoint (`sharded_state_dict`): the shards and objects Megatron's own experts write, so
+  that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
+  entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions, on the CPU with
+  its two CUDA calls stood in for; not yet run on the GPU).
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
 probs applied on the input, clamped or offset GLUs.
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
@@ -46,11 +46,15 @@ from .config import expert_mlp_args, pad_to_of
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
 
 
+_EXTRA_STATE = "_extra_state"
+
+
 class _MegatronExperts:
     """What Megatron asks of an experts module beyond the MLP itself (mixed into the two MLP classes)."""
 
     def _setup_for_megatron(self, config) -> None:
         self.config = config
+        self._register_load_state_dict_pre_hook(self._drop_extra_states)
         if getattr(config, "perform_initialization", True):
             from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
@@ -100,9 +104,9 @@ class _MegatronExperts:
         (`SequentialMLP`; `TEGroupedMLP` matches it, says its docstring, not checked here): per local expert, its
         fc1 / fc2 weight as a shard of `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's
         fc1 split into its gate and up halves by Megatron's own factory), replicated over the expert-data-parallel
-        group. The dictionary keys are this module's state-dict keys (`linear_fc{1,2}.weight{i}`), so a loaded
-        checkpoint goes back through `load_state_dict`. The linears' `_extra_state` objects of Megatron's experts
-        are not written (a Megatron expert checkpoint loads here; one written here lacks them for Megatron's)."""
+        group, and each linear's `_extra_state` object (None) that Megatron's experts read back. The dictionary keys
+        are this module's state-dict keys (`linear_fc{1,2}.weight{i}`, and `linear_fc{1,2}._extra_state{i}`, which a
+        load pre-hook drops), so a loaded checkpoint goes back through `load_state_dict`."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
@@ -122,17 +126,27 @@ class _MegatronExperts:
             local = f"{prefix}local_experts.{i}."  # SequentialMLP's module path, renamed below as it renames it
             for name, weight, tp_axis in (("linear_fc1", fc1[i], 0), ("linear_fc2", fc2[i], 1)):
                 key = f"{local}{name}.weight"
-                sub = make_sharded_tensors_for_checkpoint({"weight": weight}, f"{local}{name}.", {"weight": tp_axis},
-                                                          offsets, tp_group=expt_tp,
+                # A Megatron linear's state: its weight and an `_extra_state` (None for its local linears), which
+                # Megatron's experts expect to find in a checkpoint.
+                sub = make_sharded_tensors_for_checkpoint({"weight": weight, "_extra_state": None}, f"{local}{name}.",
+                                                          {"weight": tp_axis}, offsets, tp_group=expt_tp,
                                                           dp_cp_group=metadata["dp_cp_group"])
                 if name == "linear_fc1" and self.activation == "swiglu":
                     sub[key] = apply_swiglu_sharded_factory(sub[key], offsets, singleton, tp_group=expt_tp,
                                                             dp_group=metadata["dp_cp_group"])
                 replace_prefix_for_sharding(sub, local, sharded_prefix)
-                sharded = sub[key]
-                sharded.replica_id = (*sharded.replica_id[:2], expt_dp.rank())  # replicated over expert DP
-                out[f"{prefix}{name}.weight{i}"] = sharded
+                for k, sharded in sub.items():
+                    sharded.replica_id = (*sharded.replica_id[:2], expt_dp.rank())  # replicated over expert DP
+                    suffix = "weight" if k == key else _EXTRA_STATE
+                    out[f"{prefix}{name}.{suffix}{i}"] = sharded
         return out
+
+    def _drop_extra_states(self, state_dict, prefix, *args):
+        """A load pre-hook: the `_extra_state{i}` entries a distributed checkpoint hands back (None, Megatron's
+        linears' state) have nothing to load into here."""
+        for name in ("linear_fc1", "linear_fc2"):
+            for i in range(self.num_experts):
+                state_dict.pop(f"{prefix}{name}.{_EXTRA_STATE}{i}", None)
 
 
 class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
