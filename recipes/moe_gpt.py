@@ -39,12 +39,10 @@ process keeps another's model.
 """
 import argparse
 import datetime
-import gc
 import hashlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import warnings
@@ -70,7 +68,8 @@ from megatron.core.tensor_parallel.random import (  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_tma.mcore import CONFIG_FLAG, MODES, layer_spec_from_config, megatron_experts  # noqa: E402
+from megatron_tma.mcore import (  # noqa: E402
+    CONFIG_FLAG, MODES, from_sequential_mlp_key, layer_spec_from_config, megatron_experts)
 
 
 # megatron_tma's modes, and "megatron": the config flag left unset, i.e. Megatron's own experts of the local spec
@@ -192,8 +191,7 @@ def experts_against_megatron(gpt, seed):
     (SequentialMLP), on the same routed tokens: DESIGN.md's diff of each output against Megatron's, in float64.
     BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise."""
     seq = gpt.decoder.layers[0].mlp.experts
-    pattern = re.compile(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$")  # (not the linears' _extra_state)
-    state = {pattern.sub(r"linear_fc\2.weight\1", k): v for k, v in seq.state_dict().items() if pattern.match(k)}
+    state = {from_sequential_mlp_key(k): v for k, v in seq.state_dict().items() if from_sequential_mlp_key(k)}
     g = torch.Generator(device="cuda").manual_seed(seed)
     n = seq.num_local_experts
     sizes = torch.randint(0, 400, (n,), generator=g, device="cuda")
@@ -213,10 +211,9 @@ def experts_against_megatron(gpt, seed):
 def canonical_weights(model):
     """(name, tensor) of the model's weights under megatron_tma's state-dict keys (SequentialMLP's per-expert MLPs
     renamed): what every mode must start from."""
-    pattern = re.compile(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$")
     for key, value in model.state_dict().items():
         if isinstance(value, torch.Tensor):
-            yield pattern.sub(r"experts.linear_fc\2.weight\1", key), value
+            yield from_sequential_mlp_key(key) or key, value
 
 
 def digests(named_tensors):
@@ -257,7 +254,7 @@ def train(args, mode, rank, batches):
     diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
     data = replay(batches)
     fwd_bwd = get_forward_backward_func()
-    losses, grad_norms, times, out = [], [], [], None
+    losses, grad_norms, times = [], [], []
     for step in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -280,11 +277,6 @@ def train(args, mode, rank, batches):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
     param_digests = gathered(digests(model.named_parameters()))
-    config = model.config
-    config.no_sync_func = config.finalize_model_grads_func = None  # they hold the model: let it go
-    del model, optimizer, config, out
-    gc.collect()  # the model and its config reference each other
-    torch.cuda.empty_cache()
     return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
             "param_digests": param_digests, "experts_diff_vs_megatron": diffs}
 

@@ -64,6 +64,16 @@ def test_config_refusals_name_the_field(kw, field):
         expert_mlp_args(make_config(**kw))
 
 
+def test_sequential_mlp_keys_map_to_transformer_engines():
+    f = mcore.from_sequential_mlp_key
+    assert f("local_experts.3.linear_fc1.weight") == "linear_fc1.weight3"
+    assert f("decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.weight") == \
+        "decoder.layers.0.mlp.experts.linear_fc2.weight12"
+    for other in ("local_experts.3.linear_fc1._extra_state", "decoder.layers.0.mlp.router.weight",
+                  "xlocal_experts.3.linear_fc1.weight", "local_experts.3.linear_fc3.weight"):
+        assert f(other) is None, other
+
+
 def test_modes_and_pad_to():
     assert [pad_to_of(m) for m in mcore.MODES] == [None, 16, 128, None]
     with pytest.raises(ValueError, match="experts mode must be one of"):
@@ -229,8 +239,6 @@ def test_experts_compute_megatrons_experts_function(megatron_cpu):
     """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts
     compute the same function (SwiGLU with the gate half first, probs after the activation): DESIGN.md's diff at
     BF16 rounding level; the FP8 experts within the FP8 recipe's noise. State-dict keys map one to one."""
-    import re
-
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -247,8 +255,8 @@ def test_experts_compute_megatrons_experts_function(megatron_cpu):
     with torch.no_grad():
         for p in seq.parameters():
             p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    pattern = re.compile(r"^local_experts\.(\d+)\.linear_fc(\d)\.weight$")
-    state = {pattern.sub(r"linear_fc\2.weight\1", k): v for k, v in seq.state_dict().items() if pattern.match(k)}
+    state = {mcore.from_sequential_mlp_key(k): v for k, v in seq.state_dict().items()
+             if mcore.from_sequential_mlp_key(k)}
     x, sizes, probs = _routed(t=158, sizes=(50, 0, 77, 31), seed=12)
     with torch.no_grad():
         ref = seq(x, sizes, probs)[0].double()
@@ -288,10 +296,7 @@ def _randomize(model, seed):
 
 def _weights(model):
     """Every weight under megatron_tma's keys (Megatron's per-expert MLPs renamed), without `_extra_state`."""
-    import re
-
-    pattern = re.compile(r"experts\.local_experts\.(\d+)\.linear_fc(\d)\.weight$")
-    return {pattern.sub(r"experts.linear_fc\2.weight\1", k): v for k, v in model.state_dict().items()
+    return {mcore.from_sequential_mlp_key(k) or k: v for k, v in model.state_dict().items()
             if not k.endswith("_extra_state")}
 
 

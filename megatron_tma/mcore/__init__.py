@@ -9,10 +9,10 @@ each mode under torchrun and compares them is `recipes/moe_gpt.py`.
 """
 import importlib
 
-from .config import CONFIG_FLAG, MODES, ExpertMLPArgs, expert_mlp_args, pad_to_of
+from .config import CONFIG_FLAG, MODES, ExpertMLPArgs, expert_mlp_args, from_sequential_mlp_key, pad_to_of
 from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
 
-__all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "megatron_experts", "MegatronFP8Experts",
+__all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts", "MegatronFP8Experts",
            "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG", "use_megatron_tma_experts",
            "layer_spec_from_config"]
 

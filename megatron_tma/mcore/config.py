@@ -4,11 +4,12 @@
 setting the FP8 experts do not implement, instead of training something else silently. It only reads attributes,
 so any object with Megatron's field names can be checked (the CPU tests do that without Megatron installed).
 """
+import re
 from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CONFIG_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of"]
+__all__ = ["CONFIG_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
 
 # The experts a Megatron layer spec can be given (megatron_tma.mcore.spec): the unpadded FP8 MLP, its padded twin
 # (every expert's tokens padded to 16 or 128 rows, the same FP8 Functions: the bit-exactness oracle), and the same
@@ -23,6 +24,17 @@ class ExpertMLPArgs(NamedTuple):
     hidden_size: int
     ffn_hidden_size: int
     activation: str  # one of megatron_tma.mlp.ACTIVATIONS
+
+
+_SEQUENTIAL_WEIGHT = re.compile(r"^(|.*\.)local_experts\.(\d+)\.linear_fc([12])\.weight$")
+
+
+def from_sequential_mlp_key(key: str) -> Optional[str]:
+    """The state-dict key these experts give the weight that Megatron's `SequentialMLP` keys
+    `[...]local_experts.{i}.linear_fc{j}.weight` (`[...]linear_fc{j}.weight{i}`, Transformer Engine's), or None for
+    any other key (the linears' `_extra_state`, every non-expert weight)."""
+    m = _SEQUENTIAL_WEIGHT.match(key)
+    return f"{m.group(1)}linear_fc{m.group(3)}.weight{m.group(2)}" if m else None
 
 
 def pad_to_of(mode: str) -> Optional[int]:
