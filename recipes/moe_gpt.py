@@ -27,7 +27,8 @@ megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Me
 on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
 norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every
 rank its own). Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
-gap). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to
+gap), the median ms per step and each mode's peak GPU memory (what it allocated beyond what the process held before
+it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to
 `--out` (`--plot RESULT.json` redraws the PNG from a result, on any machine).
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
@@ -249,6 +250,9 @@ def forward_step(data_iterator, model):
 def train(args, mode, rank, batches):
     """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
     weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()  # a finished mode's model stays allocated: count this mode's own bytes
+    torch.cuda.reset_peak_memory_stats()
     model, optimizer = build(args, mode)
     init_digests = gathered(digests(canonical_weights(model)))
     diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
@@ -276,9 +280,11 @@ def train(args, mode, rank, batches):
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
+    peak = torch.tensor(float(torch.cuda.max_memory_allocated() - mem0) / 2**20, device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     param_digests = gathered(digests(model.named_parameters()))
     return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
-            "param_digests": param_digests, "experts_diff_vs_megatron": diffs}
+            "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak)}
 
 
 def main(argv=None):
@@ -321,7 +327,7 @@ def summarize(runs):
         tail = max(1, len(losses) // 10)
         timed = sorted(times[1:] or times)
         row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
-               "ms_per_step_median": timed[len(timed) // 2],
+               "ms_per_step_median": timed[len(timed) // 2], "peak_mb": run.get("peak_mb"),
                "same_initial_weights": run["init_digests"] == first["init_digests"]}
         if not row["same_initial_weights"]:
             failures.append(f"{mode} did not start from the first mode's weights (the comparison is void)")
@@ -358,7 +364,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
                                                                                 run["times"]))],
-        "records": {m: {k: run[k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron")}
+        "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
+                                                 "peak_mb")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)
@@ -430,7 +437,7 @@ def plot(result, path):
     losses = {}
     for row in result["rows"]:
         losses.setdefault(row["mode"], []).append(row["loss"])
-    fig, (ax, gap) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax, gap, cost) = plt.subplots(1, 3, figsize=(18, 4.5))
     styles = {"unpadded": ("C0", "-", 2.5), "padded16": ("C1", "--", 1.5), "padded128": ("C3", ":", 1.5),
               "bf16": ("C2", "-", 1.0), "megatron": ("k", "-", 0.8)}
     for mode, curve in losses.items():
@@ -452,6 +459,15 @@ def plot(result, path):
         gap.set(xlabel="step", ylabel=f"loss - {ref} loss",
                 title=f"against {names[ref]} (same data, same initial weights)")
         gap.legend()
+    modes = list(losses)
+    ms = [result["summary"][m]["ms_per_step_median"] for m in modes]
+    bars = cost.bar(modes, ms, color=[styles.get(m, ("k",))[0] for m in modes])
+    for bar, m in zip(bars, modes):
+        peak = result["summary"][m].get("peak_mb")
+        if peak is not None:
+            cost.annotate(f"{peak / 1024:.1f} GB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                          ha="center", va="bottom", fontsize=8)
+    cost.set(ylabel="ms per step (median)", title="step time (labels: peak GPU memory of the mode)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)

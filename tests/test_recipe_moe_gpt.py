@@ -34,9 +34,10 @@ def test_digests_see_bits_shape_and_dtype(recipe):
     assert len({d["w"], d["t"], d["f"], d["r"]}) == 4  # transposed bits, another dtype, another shape
 
 
-def _run(losses, norms, params="p", init="i", diffs=None):
+def _run(losses, norms, params="p", init="i", diffs=None, peak_mb=1000.0):
     return {"losses": list(losses), "grad_norms": list(norms), "times": [100.0] * len(losses),
-            "init_digests": [{"w": init}], "param_digests": [{"w": params}], "experts_diff_vs_megatron": diffs}
+            "init_digests": [{"w": init}], "param_digests": [{"w": params}], "experts_diff_vs_megatron": diffs,
+            "peak_mb": peak_mb}
 
 
 def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
@@ -67,7 +68,8 @@ def _result(recipe, runs, modes, tmp_path, name, **config_change):
               "loss_floor": 2.0, "config": config, "summary": {}, "failures": [],
               "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": 100.0}
                        for m in modes for i, (l, n) in enumerate(zip(runs[m]["losses"], runs[m]["grad_norms"]))],
-              "records": {m: {k: runs[m][k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron")}
+              "records": {m: {k: runs[m][k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
+                                                       "peak_mb")}
                           for m in modes}}
     path = tmp_path / name
     path.write_text(json.dumps(result))
@@ -76,7 +78,7 @@ def _result(recipe, runs, modes, tmp_path, name, **config_change):
 
 def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
     base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
-    runs = {"unpadded": _run(**base), "padded16": _run(**base), "padded128": _run(**base, params="q")}
+    runs = {"unpadded": _run(**base, peak_mb=900.0), "padded16": _run(**base), "padded128": _run(**base, params="q")}
     a = _result(recipe, runs, ["unpadded"], tmp_path, "a.json")
     b = _result(recipe, runs, ["padded16"], tmp_path, "b.json")
     c = _result(recipe, runs, ["padded128"], tmp_path, "c.json")
@@ -85,6 +87,7 @@ def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
     (merged,) = [json.load(open(p)) for p in out.glob("moe_gpt-*.json")]
     assert merged["failures"] == [] and merged["config"]["modes"] == ["unpadded", "padded16"]
     assert merged["summary"]["padded16"]["bitexact_params"] and len(merged["rows"]) == 6
+    assert merged["summary"]["unpadded"]["peak_mb"] == 900.0 and merged["summary"]["padded16"]["peak_mb"] == 1000.0
     assert recipe.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
     d = _result(recipe, runs, ["padded16"], tmp_path, "d.json", hidden=2048)
     with pytest.raises(SystemExit, match="different settings"):
