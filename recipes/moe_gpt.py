@@ -27,7 +27,7 @@ megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Me
 on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
 norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every
 rank its own). Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
-gap), the median ms per step and each mode's peak GPU memory (what it allocated beyond what the process held before
+gap), the median ms per step over the second half of the steps and each mode's peak GPU memory (what it allocated beyond what the process held before
 it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to
 `--out` (`--plot RESULT.json` redraws the PNG from a result, on any machine).
 
@@ -325,7 +325,7 @@ def summarize(runs):
     for mode, run in runs.items():
         losses, norms, times = run["losses"], run["grad_norms"], run["times"]
         tail = max(1, len(losses) // 10)
-        timed = sorted(times[1:] or times)
+        timed = sorted(times[len(times) // 2:])  # the second half: Megatron's own experts warm up for ~15 steps
         row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
                "ms_per_step_median": timed[len(timed) // 2], "peak_mb": run.get("peak_mb"),
                "same_initial_weights": run["init_digests"] == first["init_digests"]}
@@ -417,7 +417,9 @@ def compare(paths, out_dir):
     stamp = datetime.datetime.now(datetime.timezone.utc)
     merged = {**{k: first[k] for k in ("benchmark", "commit", "gpu", "world_size", "loss_floor")},
               "date": stamp.isoformat(), "command": "python recipes/moe_gpt.py --compare " + " ".join(paths),
-              "merged_from": [{k: r[k] for k in ("commit", "date", "command")} for r in results],
+              # the runs' own torchrun commands, also through merges of merges
+              "merged_from": [m for r in results for m in r.get("merged_from")
+                              or [{k: r[k] for k in ("commit", "date", "command")}]],
               "config": {**first["config"], "modes": list(runs)}, "summary": report, "failures": failures,
               "rows": [row for r in results for row in r["rows"]],
               "records": {m: r["records"][m] for r in results for m in r["records"]}}

@@ -89,8 +89,22 @@ def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
     assert merged["summary"]["padded16"]["bitexact_params"] and len(merged["rows"]) == 6
     assert merged["summary"]["unpadded"]["peak_mb"] == 900.0 and merged["summary"]["padded16"]["peak_mb"] == 1000.0
     assert recipe.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
+    e = _result(recipe, {"padded128": _run(**base)}, ["padded128"], tmp_path, "e.json")
+    assert recipe.compare([str(next(out.glob("moe_gpt-*.json"))), e], str(tmp_path / "nested")) == 0  # of a merge
+    (nested,) = [json.load(open(p)) for p in (tmp_path / "nested").glob("moe_gpt-*.json")]
+    assert [m["command"] for m in nested["merged_from"]] == [
+        "torchrun recipes/moe_gpt.py --modes unpadded", "torchrun recipes/moe_gpt.py --modes padded16",
+        "torchrun recipes/moe_gpt.py --modes padded128"]
     d = _result(recipe, runs, ["padded16"], tmp_path, "d.json", hidden=2048)
     with pytest.raises(SystemExit, match="different settings"):
         recipe.compare([a, d], str(tmp_path / "merged3"))
     with pytest.raises(SystemExit, match="more than one result"):
         recipe.compare([a, a], str(tmp_path / "merged4"))
+
+
+def test_step_time_is_the_median_of_the_second_half(recipe):
+    # Megatron's own experts took ~15 steps to settle at DeepSeek-V3-like size (1190 -> 420 ms): warm-up is not speed
+    run = _run([7.0] * 6, [1.0] * 6)
+    run["times"] = [1190.0, 650.0, 580.0, 430.0, 420.0, 425.0]
+    report, _ = recipe.summarize({"megatron": run})
+    assert report["megatron"]["ms_per_step_median"] == 425.0
