@@ -99,6 +99,11 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron DDP's overlapped gradient reduction (its hooks then require a gradient per weight)")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="leave torch's deterministic algorithms off (faster; at top-k >= 3 Megatron's combine then sums "
+                        "with atomics, and modes that should match bit for bit may not)")
+    p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
+                   help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0)")
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
                    help="merge results of the same run settings, each with its own modes (one process per mode, for "
@@ -262,12 +267,23 @@ def train(args, mode, rank, batches):
     for step in range(args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        profiler = None
+        if step == args.profile_step:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         model.zero_grad_buffer()  # Megatron's per-iteration reset (also the experts' signal to re-quantize)
         optimizer.zero_grad()
         out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
                       num_microbatches=args.micro_batches, seq_length=args.seq_len,
                       micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            if rank == 0:
+                print(f"[{mode}] step {step} profile:\n" + profiler.key_averages().table(
+                    sort_by="self_device_time_total", row_limit=15, max_name_column_width=60), flush=True)
         loss = torch.stack([o["lm loss"] for o in out]).mean()
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         loss = loss.item() / parallel_state.get_data_parallel_world_size()
@@ -298,7 +314,7 @@ def main(argv=None):
     # Bit-exact comparisons need the rest of the model deterministic too: Megatron sums a token's top-k expert
     # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on (at top-4, unpadded and
     # padded16 differed from step 0 without them). warn_only: ops without a deterministic kernel warn.
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(not args.nondeterministic, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # no NaN fill of every torch.empty in the timings
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
