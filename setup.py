@@ -47,7 +47,11 @@ def want_cuda():
     if CUDA_HOME is None or shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
         return False, "nvcc not found (CUDA_HOME unset)"
     if cutlass_include_dir() is None:
-        return False, "CuTe/CUTLASS headers not found (pip install --no-deps nvidia-cutlass)"
+        # A CUDA torch and nvcc mean a GPU build is wanted: installing without the kernels would leave backend="auto"
+        # on the torch reference, ~10x slower (seen on the H200: a Megatron recipe at ~1 s per step instead of ~0.1 s)
+        raise SystemExit("[megatron_tma] a CUDA build of torch and nvcc are here, but the CuTe/CUTLASS headers are "
+                         "not: pip install --no-deps nvidia-cutlass (or set CUTLASS_INCLUDE_DIR); "
+                         "MEGATRON_TMA_NO_CUDA=1 installs without the CUDA kernels")
     return True, f"torch {torch.__version__} (CUDA {torch.version.cuda})"
 
 

@@ -1,5 +1,6 @@
 """Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
 import functools
+import warnings
 
 import torch
 
@@ -91,3 +92,16 @@ def use_cuda(backend: str, device: torch.device) -> bool:
         ops()  # raises the "extension not built" error if that is the cause
         raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
     return ok
+
+
+def warn_if_reference_on_gpu(backend: str, device) -> bool:
+    """`backend="auto"` runs the torch reference when the CUDA kernels cannot run. On a GPU that is easy to miss and
+    ~10x slower (Megatron recipe, default size: ~1 s per step against ~0.1 s, seen on the H200 when the extension had
+    been built without CuTe/CUTLASS headers and so was not built at all), so say it. True when it warned."""
+    if backend != "auto" or torch.device(device).type != "cuda" or cuda_kernels_available(device):
+        return False
+    why = f"the extension is not built ({_EXT_ERROR})" if _C is None else "the GPU is not an sm_90 (Hopper) GPU"
+    warnings.warn(f"megatron_tma: the CUDA kernels cannot run ({why}); backend='auto' runs the torch reference "
+                  "backend, which is correct but ~10x slower. Pass backend='cuda' to make this an error.",
+                  RuntimeWarning, stacklevel=3)
+    return True

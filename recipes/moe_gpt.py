@@ -69,6 +69,7 @@ from megatron.core.tensor_parallel.random import (  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
     CONFIG_FLAG, MODES, from_sequential_mlp_key, layer_spec_from_config, megatron_experts)
 
@@ -320,6 +321,10 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     args.ep = args.ep or world
+    if any(m != "megatron" for m in args.modes) and not cuda_kernels_available():
+        # the experts would fall back to the torch reference: right bits, ~10x the step time, nothing to compare
+        raise SystemExit(f"megatron_tma's CUDA kernels cannot run here ({extension_error() or 'not an sm_90 GPU'}); "
+                         "build the extension with the CuTe/CUTLASS headers on the path (nvidia-cutlass) first")
     parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
     batches, loss_floor = chain_batches(args, rank)
     runs = {mode: train(args, mode, rank, batches) for mode in args.modes}

@@ -373,3 +373,17 @@ def test_distributed_checkpoint_save_and_load(megatron_cpu, tmp_path, monkeypatc
     theirs.load_state_dict(dist_checkpointing.load(theirs.sharded_state_dict(), str(tmp_path / "ours")))
     a, b = _weights(other), _weights(theirs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
+    # On the H200 a recipe ran ~10x slow on the reference backend for a build that had silently skipped the extension
+    from megatron_tma import _ext
+
+    monkeypatch.setattr(_ext, "cuda_kernels_available", lambda device=None: False)
+    with pytest.warns(RuntimeWarning, match="runs the torch reference"):
+        assert _ext.warn_if_reference_on_gpu("auto", "cuda:0")
+    monkeypatch.setattr(_ext, "cuda_kernels_available", lambda device=None: True)
+    assert not _ext.warn_if_reference_on_gpu("auto", "cuda:0")  # the kernels run
+    monkeypatch.setattr(_ext, "cuda_kernels_available", lambda device=None: False)
+    for backend, device in (("reference", "cuda:0"), ("auto", "cpu"), ("cuda", "cuda:0")):
+        assert not _ext.warn_if_reference_on_gpu(backend, device)  # asked for, on the CPU, or an error later

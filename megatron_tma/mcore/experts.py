@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from .._ext import warn_if_reference_on_gpu
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
 from .config import expert_mlp_args, pad_to_of
 
@@ -170,6 +171,7 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     pad_to = pad_to_of(mode)
     args = expert_mlp_args(config)
     device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()
+    warn_if_reference_on_gpu(backend, device)
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
