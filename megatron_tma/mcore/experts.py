@@ -29,8 +29,8 @@ What the Megatron side needs, and where it is done here:
   optimizers do move; `invalidate_fp8_weights(model)` is there for any other update path.
 * Megatron's distributed checkpoint (`sharded_state_dict`): the shards and objects Megatron's own experts write, so
   that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
-  entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions, on the CPU with
-  its two CUDA calls stood in for; not yet run on the GPU).
+  entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
+  its two CUDA calls stood in for, on the H200 as is).
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
 probs applied on the input, clamped or offset GLUs.
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
