@@ -2,7 +2,8 @@
 
 `pip install -e .` builds the CUDA extension `megatron_tma._C` for sm_90a when a CUDA build of torch
 and nvcc are both present; otherwise it installs the pure-Python package (reference backend only) and
-says so. CuTe/CUTLASS headers come from the `nvidia-cutlass` wheel (only its headers are used).
+says so. CuTe/CUTLASS headers come from the `nvidia-cutlass` wheel (only its headers are used); a CUDA torch with
+nvcc but without them is an error (MEGATRON_TMA_NO_CUDA=1 asks for the pure-Python package explicitly).
 """
 import glob
 import os
