@@ -1,4 +1,4 @@
-"""Shared fixtures: a generator seeded per test, group-size distributions and group formats."""
+"""Shared fixtures: a generator seeded per test, group-size distributions and group formats, Megatron on the CPU."""
 import zlib
 
 import pytest
@@ -35,3 +35,21 @@ def debug_checks():
     set_debug_checks(True)
     yield
     set_debug_checks(None)
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu(tmp_path_factory):
+    """A one-rank gloo process group and Megatron's parallel state, for building Megatron modules on the CPU."""
+    import torch.distributed as dist
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|DEPRECATED).*")
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
+                                world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -216,24 +216,6 @@ def test_spec_switch_replaces_only_the_experts():
     assert expert_mlp_args(cfg) == (256, 128, "swiglu")  # a real TransformerConfig through the mapping
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu(tmp_path_factory):
-    """A one-rank gloo process group and Megatron's parallel state, for building Megatron modules on the CPU."""
-    import torch.distributed as dist
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|DEPRECATED).*")
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0,
-                                world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
 def test_experts_compute_megatrons_experts_function(megatron_cpu):
     """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts

@@ -4,8 +4,11 @@
 * `experts`: the experts builder and modules (`megatron_experts`, modes in `MODES`); megatron-core only to draw
   the initial weights under its RNG tracker;
 * `spec`: the switch in a layer spec (`use_megatron_tma_experts`, `layer_spec_from_config`, the config flag); it
-  imports megatron-core (0.19) and loads when first used. The recipe that trains a small MoE GPT with
-each mode under torchrun and compares them is `recipes/moe_gpt.py`.
+  imports megatron-core (0.19) and loads when first used; `megatron_lm_spec`, the spec Megatron-LM's GPT builder
+  would pick, with these experts;
+* `megatron_lm`: Megatron-LM's switch, `pretrain_gpt.py ... --spec megatron_tma.mcore.megatron_lm unpadded` (import
+  it only there: it reads Megatron-LM's parsed arguments).
+The recipe that trains a small MoE GPT with each mode under torchrun and compares them is `recipes/moe_gpt.py`.
 """
 import importlib
 
@@ -14,9 +17,9 @@ from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_wei
 
 __all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts", "MegatronFP8Experts",
            "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG", "use_megatron_tma_experts",
-           "layer_spec_from_config"]
+           "layer_spec_from_config", "megatron_lm_spec"]
 
-_LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec"}
+_LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec"}
 
 
 def __getattr__(name):

@@ -16,10 +16,10 @@ from typing import Optional
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from .config import CONFIG_FLAG, MODES
+from .config import CONFIG_FLAG, MODES, expert_mlp_args
 from .experts import megatron_experts
 
-__all__ = ["use_megatron_tma_experts", "layer_spec_from_config"]
+__all__ = ["use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec"]
 
 
 def _is_moe(builder) -> bool:
@@ -68,3 +68,30 @@ def use_megatron_tma_experts(spec, mode: Optional[str], backend: str = "auto"):
 def layer_spec_from_config(spec, config, backend: str = "auto"):
     """`use_megatron_tma_experts(spec, config.moe_megatron_tma_experts)`: the config flag, None when unset."""
     return use_megatron_tma_experts(spec, getattr(config, CONFIG_FLAG, None), backend)
+
+
+def megatron_lm_spec(args, config, mode: str, backend: str = "auto"):
+    """The layer spec Megatron-LM's GPT builder (`gpt_builders.gpt_builder`) picks for an MoE model from its parsed
+    `args` (the decoder block spec, with Transformer Engine or local modules per `--transformer-impl`), with
+    megatron_tma's experts in `mode`; `config` is `core_transformer_config_from_args(args)`. What `--spec
+    megatron_tma.mcore.megatron_lm MODE` hands Megatron-LM. Refuses what that builder would build differently, and
+    the expert settings megatron_tma does not implement, with the argument named, before any layer is built."""
+    if mode not in MODES:
+        raise ValueError(f"--spec megatron_tma.mcore.megatron_lm MODE: MODE must be one of {', '.join(MODES)}, "
+                         f"got {mode!r}")
+    if not getattr(args, "num_experts", None):
+        raise ValueError("megatron_tma's experts need an MoE model: --num-experts is not set")
+    if getattr(args, "experimental_attention_variant", None) is not None:
+        raise ValueError("--experimental-attention-variant builds another block spec; not supported with "
+                         "megatron_tma's experts")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+        raise ValueError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) need one spec per stage, "
+                         "and Megatron-LM's --spec gives one; not supported with megatron_tma's experts")
+    if getattr(args, "transformer_impl", None) == "inference_optimized":
+        raise ValueError("--transformer-impl inference_optimized has no MoE block spec in Megatron-LM")
+    expert_mlp_args(config)  # the refusals (biases, expert TP, ...) now, naming the field
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    base = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
+                                      normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+    return use_megatron_tma_experts(base, mode, backend)

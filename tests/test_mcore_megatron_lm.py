@@ -1,0 +1,127 @@
+"""Megatron-LM's switch `--spec megatron_tma.mcore.megatron_lm MODE` on the CPU: Megatron-LM's own argument parser
+and validation, its own `--spec` importer, and the GPT model built from what it returns, trained for a step on the
+reference backend. Needs megatron-core with `megatron.training` (Python >= 3.12); skipped otherwise."""
+import functools
+import importlib
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from megatron_tma import mcore
+from megatron_tma.mcore import megatron_experts
+
+try:
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl|DEPRECATED|deprecated).*")
+    from megatron.training import global_vars
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+except Exception as e:  # noqa: BLE001 (not installed, or Python < 3.12: typing.override)
+    if os.environ.get("MEGATRON_TMA_REQUIRE_MEGATRON_LM") == "1":  # CI's Python 3.12 step: a skip would hide it
+        raise
+    pytest.skip(f"megatron.training is not importable: {e}", allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("megatron_cpu")  # Megatron-LM builds the spec with the parallel state set up
+MODULE = "megatron_tma.mcore.megatron_lm"
+# a small MoE GPT as Megatron-LM's pretrain_gpt.py would be launched for it
+ARGV = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64", "--micro-batch-size", "2", "--num-experts", "4", "--moe-router-topk", "2",
+        "--moe-ffn-hidden-size", "128", "--moe-grouped-gemm", "--swiglu", "--disable-bias-linear", "--bf16",
+        "--transformer-impl", "local", "--moe-token-dispatcher-type", "allgather", "--normalization", "RMSNorm",
+        "--train-iters", "10", "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+        "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
+
+
+@pytest.fixture
+def megatron_lm_args(monkeypatch):
+    """Parse and validate `ARGV + extra` with Megatron-LM's own function, which makes them its global arguments."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # --moe-grouped-gemm asks
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+
+    def parse(*extra):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *ARGV, *extra])
+        return parse_and_validate_args()  # also sets Megatron-LM's globals: the arguments, the tokenizer, ...
+
+    yield parse
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    destroy_num_microbatches_calculator()  # Megatron-LM sets these up once per process
+    global_vars.unset_global_variables()
+    sys.modules.pop(MODULE, None)  # the module builds its specs when imported
+
+
+def _moe_experts(spec):
+    return [layer.submodules.mlp.keywords["submodules"].experts for layer in spec.layer_specs]
+
+
+def test_spec_is_megatron_lms_block_spec_with_megatron_tma_experts(megatron_lm_args):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    args = megatron_lm_args()
+    config = core_transformer_config_from_args(args)
+    spec = mcore.megatron_lm_spec(args, config, "padded16")
+    theirs = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    assert len(spec.layer_specs) == len(theirs.layer_specs) == 2
+    for experts in _moe_experts(spec):
+        assert isinstance(experts, functools.partial) and experts.func is megatron_experts
+        assert experts.keywords == {"mode": "padded16", "backend": "auto"}
+    for ours, base in zip(spec.layer_specs, theirs.layer_specs):  # everything but the experts is Megatron-LM's
+        assert ours.submodules.self_attention == base.submodules.self_attention
+        assert ours.submodules.mlp.keywords["submodules"].router == base.submodules.mlp.keywords["submodules"].router
+    assert spec.layer_norm == theirs.layer_norm
+
+
+@pytest.mark.parametrize("args_change, config_change, mode, message", [
+    ({}, {}, "fp8", "MODE must be one of"),
+    ({"num_experts": None}, {}, "unpadded", "need an MoE model"),
+    ({"add_bias_linear": True}, {"add_bias_linear": True}, "unpadded", "add_bias_linear"),
+    ({"virtual_pipeline_model_parallel_size": 2}, {}, "unpadded", "virtual pipeline"),
+])
+def test_spec_refusals_name_the_argument(megatron_lm_args, args_change, config_change, mode, message):
+    args = megatron_lm_args()
+    config = core_transformer_config_from_args(args)
+    vars(args).update(args_change)  # after Megatron-LM's own validation, which refuses some of these itself
+    vars(config).update(config_change)
+    with pytest.raises(ValueError, match=message):
+        mcore.megatron_lm_spec(args, config, mode)
+
+
+def test_spec_flag_through_megatron_lms_importer_builds_trainable_experts(megatron_lm_args):
+    """What Megatron-LM's GPT builder does with `--spec M NAME`: `import_module(args.spec)`, then GPTModel."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import import_module
+
+    args = megatron_lm_args("--spec", MODULE, "unpadded")
+    spec = import_module(args.spec)
+    assert spec is not None and [e.keywords["mode"] for e in _moe_experts(spec)] == ["unpadded", "unpadded"]
+    assert not hasattr(sys.modules[MODULE], "padded16")  # only the mode --spec names is built
+    config = core_transformer_config_from_args(args)
+    config.perform_initialization = False  # it draws under Megatron's CUDA RNG tracker, which needs a GPU; set below
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                   max_sequence_length=args.max_position_embeddings)
+    experts = [layer.mlp.experts for layer in gpt.decoder.layers]
+    assert all(isinstance(e, mcore.MegatronFP8Experts) for e in experts)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    # Megatron's attention and router need a GPU (the global memory buffer, the router's CUDA RNG), so the experts
+    # run alone here, on Megatron's forward contract (the reference backend on the CPU); the GPU tests run the model
+    sizes = torch.tensor([50, 0, 77, 1])
+    x = torch.randn(128, 256, generator=gen).bfloat16().requires_grad_()
+    probs = torch.rand(128, generator=gen)
+    loss = sum(e(x, sizes, probs)[0].float().square().mean() for e in experts)
+    loss.backward()
+    assert torch.isfinite(loss) and x.grad is not None and x.grad.abs().sum() > 0
+    for e in experts:  # the FP8 weight gradients reached the expert weights
+        grads = [p.grad for p in e.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_spec_names_one_mode(megatron_lm_args):
+    megatron_lm_args("--spec", MODULE)
+    with pytest.raises(ValueError, match="name one mode"):
+        importlib.import_module(MODULE)
+
