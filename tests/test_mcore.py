@@ -4,6 +4,7 @@ cache's invalidation by Megatron's per-iteration signal), and, where megatron-co
 The whole Megatron model runs on the GPU (tests/test_mcore_gpu.py, recipes/moe_gpt.py)."""
 import importlib.util
 import types
+import warnings
 
 import pytest
 import torch
@@ -369,3 +370,14 @@ def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
     monkeypatch.setattr(_ext, "cuda_kernels_available", lambda device=None: False)
     for backend, device in (("reference", "cuda:0"), ("auto", "cpu"), ("cuda", "cuda:0")):
         assert not _ext.warn_if_reference_on_gpu(backend, device)  # asked for, on the CPU, or an error later
+
+
+@pytest.mark.parametrize("field", ["moe_router_padding_for_quantization", "moe_router_padding_for_fp8"])
+def test_router_padding_for_fp8_is_flagged(field):
+    # Megatron's own alternative to Fp8Padding: it routes extra tokens so that counts are multiples of 16/32
+    with pytest.warns(UserWarning, match="need no padding"):
+        megatron_experts(4, make_config(**{field: True}), mode="unpadded", backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        megatron_experts(4, make_config(**{field: True}), mode="bf16", backend="reference")  # BF16: not FP8's padding
+        megatron_experts(4, make_config(), mode="unpadded", backend="reference")

@@ -36,6 +36,7 @@ probs applied on the input, clamped or offset GLUs.
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
 module itself runs, and is tested, without it.
 """
+import warnings
 from typing import Optional
 
 import torch
@@ -172,6 +173,12 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     args = expert_mlp_args(config)
     device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()
     warn_if_reference_on_gpu(backend, device)
+    if mode != "bf16" and (getattr(config, "moe_router_padding_for_quantization", False)
+                           or getattr(config, "moe_router_padding_for_fp8", False)):
+        # Megatron's router then gives every expert extra zero-prob tokens up to a multiple of 16 / 32: the padding
+        # these experts exist to remove, paid in routed tokens and GEMM work instead of copies
+        warnings.warn("config.moe_router_padding_for_quantization pads every expert's tokens for FP8; megatron_tma's "
+                      "experts need no padding: turn it off", UserWarning, stacklevel=2)
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
