@@ -27,9 +27,10 @@ megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Me
 on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
 norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every
 rank its own). Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
-gap), the median ms per step over the second half of the steps and each mode's peak GPU memory (what it allocated beyond what the process held before
-it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves to
-`--out` (`--plot RESULT.json` redraws the PNG from a result, on any machine).
+gap), the median ms per step over the second half of the steps and each mode's peak GPU memory (what it allocated
+beyond what the process held before it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms,
+ms per step, the checks) and a PNG of the curves and step times to `--out` (`--plot RESULT.json` redraws the PNG
+from a result, on any machine). Refuses to start where megatron_tma's CUDA kernels cannot run.
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
 cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
@@ -101,10 +102,11 @@ def parse_args(argv=None):
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron DDP's overlapped gradient reduction (its hooks then require a gradient per weight)")
     p.add_argument("--nondeterministic", action="store_true",
-                   help="leave torch's deterministic algorithms off (faster; at top-k >= 3 Megatron's combine then sums "
+                   help="leave torch's deterministic algorithms off (at top-k >= 3 Megatron's combine then sums "
                         "with atomics, and modes that should match bit for bit may not)")
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
-                   help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0)")
+                   help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0; "
+                        "that step's time then includes the profiler)")
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
                    help="merge results of the same run settings, each with its own modes (one process per mode, for "

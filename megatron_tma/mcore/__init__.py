@@ -15,9 +15,9 @@ import importlib
 from .config import CONFIG_FLAG, MODES, ExpertMLPArgs, expert_mlp_args, from_sequential_mlp_key, pad_to_of
 from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
 
-__all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts", "MegatronFP8Experts",
-           "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG", "use_megatron_tma_experts",
-           "layer_spec_from_config", "megatron_lm_spec"]
+__all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts",
+           "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG",
+           "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec"]
 
 _LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec"}
 
