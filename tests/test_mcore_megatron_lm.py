@@ -132,38 +132,49 @@ def test_megatron_lm_model_unpadded_equals_padded16_on_the_gpu(megatron_lm_args)
     """The whole GPT Megatron-LM builds from `--spec megatron_tma.mcore.megatron_lm MODE`, on the GPU with the CUDA
     kernels: a forward and backward step of the unpadded experts equals the padded16 twin's bit for bit (loss and
     every gradient), from the same weights on the same tokens (top-2: Megatron's combine is exact in any order)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
-
     from megatron_tma._ext import cuda_kernels_available
 
     if not cuda_kernels_available():
         pytest.skip("needs an sm_90 GPU with the extension built")
     args = megatron_lm_args()
     results, state = {}, None
-    for mode in ("unpadded", "padded16"):
-        config = core_transformer_config_from_args(args)
-        config.perform_initialization = False  # the weights are set below, the same in both modes
-        gpt = GPTModel(config=config, transformer_layer_spec=mcore.megatron_lm_spec(args, config, mode),
-                       vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings)
-        if state is None:
-            gen = torch.Generator().manual_seed(5)
-            with torch.no_grad():
-                for p in gpt.parameters():
-                    p.copy_(0.02 * torch.randn(p.shape, generator=gen))
-            state = gpt.state_dict()
-        else:
-            gpt.load_state_dict(state)
-        model = Float16Module(config, gpt.cuda())
-        gen = torch.Generator().manual_seed(6)
-        tokens = torch.randint(0, 512, (2, 64), generator=gen).cuda()
-        position_ids = torch.arange(64, device="cuda").expand(2, -1)
-        loss = model(tokens, position_ids, None, labels=tokens).float().mean()
-        loss.backward()
-        results[mode] = (loss.detach(), {n: p.grad for n, p in gpt.named_parameters() if p.grad is not None})
-        assert isinstance(gpt.decoder.layers[0].mlp.experts, mcore.MegatronFP8Experts)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # as the recipe: the rest of the model must not vary
+    try:
+        for mode in ("unpadded", "padded16"):
+            results[mode], state = _megatron_lm_step(args, mode, state)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     (loss_u, grads_u), (loss_p, grads_p) = results["unpadded"], results["padded16"]
     assert torch.isfinite(loss_u) and torch.equal(loss_u, loss_p)
     assert grads_u.keys() == grads_p.keys() and any("experts" in n for n in grads_u)
     for name in grads_u:
         assert torch.equal(grads_u[name], grads_p[name]), name
+
+
+def _megatron_lm_step(args, mode, state):
+    """One forward and backward of the GPT Megatron-LM builds with `mode`'s experts: (loss, grads), weights."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    config = core_transformer_config_from_args(args)
+    config.perform_initialization = False  # the weights are set below, the same in both modes
+    gpt = GPTModel(config=config, transformer_layer_spec=mcore.megatron_lm_spec(args, config, mode),
+                   vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings)
+    if state is None:
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in gpt.parameters():
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+        state = gpt.state_dict()
+    else:
+        gpt.load_state_dict(state)
+    model = Float16Module(config, gpt.cuda())
+    assert isinstance(gpt.decoder.layers[0].mlp.experts, mcore.MegatronFP8Experts)
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, 512, (2, 64), generator=gen).cuda()
+    position_ids = torch.arange(64, device="cuda").expand(2, -1)
+    loss = model(tokens, position_ids, None, labels=tokens).float().mean()
+    loss.backward()
+    grads = {n: p.grad for n, p in gpt.named_parameters() if p.grad is not None}
+    return (loss.detach(), grads), state
