@@ -372,12 +372,22 @@ def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
         assert not _ext.warn_if_reference_on_gpu(backend, device)  # asked for, on the CPU, or an error later
 
 
-@pytest.mark.parametrize("field", ["moe_router_padding_for_quantization", "moe_router_padding_for_fp8"])
-def test_router_padding_for_fp8_is_flagged(field):
+@pytest.mark.parametrize("kw, message", [
     # Megatron's own alternative to Fp8Padding: it routes extra tokens so that counts are multiples of 16/32
-    with pytest.warns(UserWarning, match="need no padding"):
-        megatron_experts(4, make_config(**{field: True}), mode="unpadded", backend="reference")
+    (dict(moe_router_padding_for_quantization=True), "need no padding"),
+    (dict(moe_router_padding_for_fp8=True), "need no padding"),
+    # memory savings Megatron's own experts implement and these do not
+    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"]), "'moe_act'"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), "'expert_fc1'"),
+])
+def test_settings_that_would_do_nothing_are_flagged(kw, message):
+    with pytest.warns(UserWarning, match=message):
+        megatron_experts(4, make_config(**kw), mode="unpadded", backend="reference")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        megatron_experts(4, make_config(**{field: True}), mode="bf16", backend="reference")  # BF16: not FP8's padding
         megatron_experts(4, make_config(), mode="unpadded", backend="reference")
+        if "moe_router_padding_for_quantization" in kw:  # BF16 experts: not FP8's padding
+            megatron_experts(4, make_config(**kw), mode="bf16", backend="reference")
+        megatron_experts(4, make_config(recompute_granularity="selective", recompute_modules=["core_attn"],
+                                        fine_grained_activation_offloading=True, offload_modules=["attn_norm"]),
+                         mode="unpadded", backend="reference")

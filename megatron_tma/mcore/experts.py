@@ -165,6 +165,26 @@ class MegatronBF16Experts(_MegatronExperts, GroupedBF16MLP):
     """The same expert MLP with BF16 GEMMs, as Megatron experts."""
 
 
+def _ignored_settings(config, mode: str):
+    """Messages for Megatron settings that would not do here what they do for Megatron's own experts: the results
+    stay right, but the user asked for something (padding, memory savings) they do not get."""
+    if mode != "bf16" and (getattr(config, "moe_router_padding_for_quantization", False)
+                           or getattr(config, "moe_router_padding_for_fp8", False)):
+        # Megatron's router then gives every expert extra zero-prob tokens up to a multiple of 16 / 32: the padding
+        # these experts exist to remove, paid in routed tokens and GEMM work instead of copies
+        yield ("config.moe_router_padding_for_quantization pads every expert's tokens for FP8; megatron_tma's "
+               "experts need no padding: turn it off")
+    if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in (
+            getattr(config, "recompute_modules", None) or []):
+        yield ("config.recompute_modules has 'moe_act', which megatron_tma's experts do not implement: they keep the "
+               "fc1 output (BF16) and the activation output (FP8, as the fc2 weight gradient needs it) for backward")
+    if getattr(config, "fine_grained_activation_offloading", False):
+        asked = [m for m in ("expert_fc1", "moe_act", "fused_group_mlp") if m in (config.offload_modules or [])]
+        if asked:
+            yield (f"config.offload_modules has {asked}, which megatron_tma's experts do not implement: their saved "
+                   "activations stay on the GPU")
+
+
 def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name: Optional[str] = None,
                      mode: str = "unpadded", backend: str = "auto"):
     """Megatron's experts builder signature (`MoESubmodules.experts`); `mode` picks the MLP (module docstring)."""
@@ -173,12 +193,8 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     args = expert_mlp_args(config)
     device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()
     warn_if_reference_on_gpu(backend, device)
-    if mode != "bf16" and (getattr(config, "moe_router_padding_for_quantization", False)
-                           or getattr(config, "moe_router_padding_for_fp8", False)):
-        # Megatron's router then gives every expert extra zero-prob tokens up to a multiple of 16 / 32: the padding
-        # these experts exist to remove, paid in routed tokens and GEMM work instead of copies
-        warnings.warn("config.moe_router_padding_for_quantization pads every expert's tokens for FP8; megatron_tma's "
-                      "experts need no padding: turn it off", UserWarning, stacklevel=2)
+    for message in _ignored_settings(config, mode):
+        warnings.warn(message, UserWarning, stacklevel=2)
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
