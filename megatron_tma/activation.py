@@ -18,7 +18,8 @@ from torch.autograd.function import once_differentiable
 
 from . import _ext
 
-__all__ = ["ACTIVATIONS", "activation_times_probs"]
+__all__ = ["ACTIVATIONS", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
+           "check_activation_args", "resolve_kernel"]
 
 ACTIVATIONS = ("swiglu", "gelu", "squared_relu")  # index = the kernels' activation id (host/activation.h)
 
@@ -63,6 +64,40 @@ def _kernel_probs(probs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if probs is None else probs.float().contiguous()
 
 
+def act_times_probs_forward(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
+                            use_kernel: bool) -> torch.Tensor:
+    """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to h's dtype; no autograd. `use_kernel`
+    as `resolve_kernel` decides it. Deterministic: called twice on the same h and probs it gives the same bits,
+    which is what lets a backward recompute z instead of keeping it (megatron_tma.activation_linear)."""
+    if use_kernel:
+        return _ext.ops().act_times_probs_forward(h, _kernel_probs(probs), ACTIVATIONS.index(activation))
+    a = _activation(h.float(), activation)
+    if probs is not None:
+        a.mul_(probs.float().unsqueeze(1))
+    return a.to(h.dtype)
+
+
+def act_times_probs_backward(dz: torch.Tensor, h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
+                             use_kernel: bool, need_dh: bool = True, need_dprobs: bool = True):
+    """(dh or None, dprobs or None) of z = act(h) * probs[:, None] for the upstream gradient dz; no autograd."""
+    need_dprobs = need_dprobs and probs is not None
+    if use_kernel:
+        dz = dz.contiguous()
+        if not _aligned16(dz):  # a view into another buffer: the kernel reads 16-byte vectors
+            dz = dz.clone()
+        dh, dprobs = _ext.ops().act_times_probs_backward(dz, h, _kernel_probs(probs), ACTIVATIONS.index(activation),
+                                                         need_dprobs)
+        return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None)
+    h32, dz32 = h.float(), dz.float()
+    dh = dprobs = None
+    if need_dprobs:
+        dprobs = _row_sum(dz32 * _activation(h32, activation)).to(probs.dtype)
+    if need_dh:
+        da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
+        dh = _activation_backward(da, h32, activation).to(h.dtype)
+    return dh, dprobs
+
+
 class _ActivationTimesProbs(torch.autograd.Function):
     """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to BF16. Saves only h and probs: the
     backward recomputes the activation (memory of one BF16 [T, 2F] tensor instead of FP32 intermediates)."""
@@ -71,32 +106,14 @@ class _ActivationTimesProbs(torch.autograd.Function):
     def forward(ctx, h, probs, activation, use_kernel):
         ctx.activation, ctx.use_kernel = activation, use_kernel
         ctx.save_for_backward(h, probs)
-        if use_kernel:
-            return _ext.ops().act_times_probs_forward(h, _kernel_probs(probs), ACTIVATIONS.index(activation))
-        a = _activation(h.float(), activation)
-        if probs is not None:
-            a.mul_(probs.float().unsqueeze(1))
-        return a.to(h.dtype)
+        return act_times_probs_forward(h, probs, activation, use_kernel)
 
     @staticmethod
     @once_differentiable  # the kernel path has no double backward; say so instead of differentiating casts
     def backward(ctx, dz):
         h, probs = ctx.saved_tensors
-        need_dh, need_dprobs = ctx.needs_input_grad[0], probs is not None and ctx.needs_input_grad[1]
-        if ctx.use_kernel:
-            dz = dz.contiguous()
-            if not _aligned16(dz):  # a view into another buffer: the kernel reads 16-byte vectors
-                dz = dz.clone()
-            dh, dprobs = _ext.ops().act_times_probs_backward(
-                dz, h, _kernel_probs(probs), ACTIVATIONS.index(ctx.activation), need_dprobs)
-            return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None), None, None
-        h32, dz32 = h.float(), dz.float()
-        dh = dprobs = None
-        if need_dprobs:
-            dprobs = _row_sum(dz32 * _activation(h32, ctx.activation)).to(probs.dtype)
-        if need_dh:
-            da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
-            dh = _activation_backward(da, h32, ctx.activation).to(h.dtype)
+        dh, dprobs = act_times_probs_backward(dz, h, probs, ctx.activation, ctx.use_kernel,
+                                              ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return dh, dprobs, None, None
 
 
@@ -114,16 +131,8 @@ def _kernel_fits(h: torch.Tensor, activation: str) -> bool:
     return h.dtype == torch.bfloat16 and h.is_contiguous() and _aligned16(h) and f % 8 == 0
 
 
-def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
-                           backend: str = "auto") -> torch.Tensor:
-    """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
-
-    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
-    BF16; its gradient comes back in its dtype). Every element is computed on its own and the probs gradient by a
-    fixed-order row sum, so a row's results do not depend on the other rows (what the padded twin's bit-exactness
-    needs). backend: "auto" runs the CUDA kernel on an sm_90 GPU with the extension built (and a contiguous BF16
-    h with F % 8 == 0; anything else takes the torch path), "cuda" insists on it, "reference" is torch.
-    """
+def check_activation_args(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str) -> None:
+    """The checks of `activation_times_probs`' arguments (ValueError naming the argument)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -134,6 +143,12 @@ def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activ
         raise ValueError(f"h must have at least one column per activation output, got {list(h.shape)}")
     if probs is not None and (probs.dim() != 1 or probs.shape[0] != h.shape[0]):
         raise ValueError(f"probs must be [T] = [{h.shape[0]}], got {list(probs.shape)}")
+
+
+def resolve_kernel(h: torch.Tensor, activation: str, backend: str) -> bool:
+    """Whether `backend` runs the CUDA kernel on this h: "auto" when it can (sm_90 GPU, extension built, a
+    contiguous 16-byte aligned BF16 h with F % 8 == 0), "cuda" insists on it (ValueError if h does not fit),
+    "reference" never."""
     use_kernel = _ext.use_cuda(backend, h.device)
     if use_kernel and not _kernel_fits(h, activation):
         if backend == "cuda":
@@ -142,7 +157,21 @@ def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activ
                 f"8 outputs per row, got {h.dtype} {list(h.shape)}"
             )
         use_kernel = False
-    return _ActivationTimesProbs.apply(h, probs, activation, use_kernel)
+    return use_kernel
+
+
+def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
+                           backend: str = "auto") -> torch.Tensor:
+    """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
+
+    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
+    BF16; its gradient comes back in its dtype). Every element is computed on its own and the probs gradient by a
+    fixed-order row sum, so a row's results do not depend on the other rows (what the padded twin's bit-exactness
+    needs). backend: "auto" runs the CUDA kernel on an sm_90 GPU with the extension built (and a contiguous BF16
+    h with F % 8 == 0; anything else takes the torch path), "cuda" insists on it, "reference" is torch.
+    """
+    check_activation_args(h, probs, activation)
+    return _ActivationTimesProbs.apply(h, probs, activation, resolve_kernel(h, activation, backend))
 
 
 if _ext.has_extension():

@@ -42,6 +42,10 @@ __all__ = [
     "fp8_grouped_linear",
     "stacked_view",
     "stack_weights",
+    "check_linear_args",
+    "quantized_weights",
+    "linear_backward",
+    "linear_forward",
 ]
 
 from ._ext import BACKENDS  # noqa: E402  (one list of backends)
@@ -162,6 +166,12 @@ def _quantize_stacked(stacked: torch.Tensor, pow2: bool, backend: str) -> Quanti
     return QuantizedWeights(q, s, qt, st)
 
 
+def quantized_weights(weights: Tuple[torch.Tensor, ...], cache: Optional["FP8WeightCache"], pow2: bool,
+                      backend: str) -> QuantizedWeights:
+    """The weights' FP8 copies: from the layer's cache, or made now when there is none."""
+    return cache.get(weights, pow2, backend) if cache is not None else quantize_weights(weights, pow2, backend)
+
+
 class FP8WeightCache:
     """The FP8 copies of one set of weights, re-made only when the weights change (once per optimizer step).
 
@@ -215,7 +225,8 @@ class FP8WeightCache:
 _X, _WEIGHTS = 0, 8
 
 
-def _forward(x, groups, q, s, backend, pow2):
+def linear_forward(x, groups, q, s, backend, pow2):
+    """Y = grouped(X . W^T) in FP8: X quantized 1x128, the M-grouped GEMM; nothing kept for backward."""
     xq, xs = quant.quantize_1x128(x, pow2, backend=backend)
     return gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
 
@@ -235,7 +246,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             y = gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
             del xq, xs
         else:
-            y = _forward(x, groups, q, s, backend, pow2)
+            y = linear_forward(x, groups, q, s, backend, pow2)
         ctx.backend, ctx.pow2, ctx.num_groups = backend, pow2, q.shape[0]
         ctx.save_for_backward(groups, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
         return y
@@ -243,26 +254,34 @@ class _FP8GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, *weights = ctx.saved_tensors
-        backend, pow2 = ctx.backend, ctx.pow2
-        dy = dy.contiguous()
-        dx = None
-        need_dx, need_dw = ctx.needs_input_grad[_X], xt is not None
-        # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
-        # (wgrad) when both gradients are wanted, one quantizer otherwise.
-        if need_dx and need_dw:
-            dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(
-                dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
-        elif need_dx:
-            dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
-        elif need_dw:
-            dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=ctx.num_groups, backend=backend)
-        if need_dx:
-            dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
-            del dyq, dy_s
-        wgrads = [None] * len(weights)
-        if need_dw:
-            wgrads = _weight_grads(weights, ctx.needs_input_grad[_WEIGHTS:], dyt, dyt_s, xt, xt_s, groups, backend)
+        dx, wgrads = linear_backward(dy, groups, xt, xt_s, qt, st, weights, ctx.needs_input_grad[_X],
+                                     ctx.needs_input_grad[_WEIGHTS:], ctx.num_groups, ctx.backend, ctx.pow2)
         return (dx, None, None, None, None, None, None, None, *wgrads)
+
+
+def linear_backward(dy, groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, num_groups, backend, pow2):
+    """(dX or None, the weights' gradients as `_weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
+    what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
+    (qt, st; None if X wants none)."""
+    dy = dy.contiguous()
+    dx = None
+    need_dw = xt is not None
+    # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
+    # (wgrad) when both gradients are wanted, one quantizer otherwise.
+    if need_dx and need_dw:
+        dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(
+            dy, groups, pow2, num_groups=num_groups, backend=backend)
+    elif need_dx:
+        dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
+    elif need_dw:
+        dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=num_groups, backend=backend)
+    if need_dx:
+        dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
+        del dyq, dy_s
+    wgrads = [None] * len(weights)
+    if need_dw:
+        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
+    return dx, wgrads
 
 
 def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
@@ -307,6 +326,30 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
     return grads
 
 
+def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, backend: str, pow2_scales: bool,
+                      x_name: str = "x") -> Tuple[torch.Tensor, ...]:
+    """`fp8_grouped_linear`'s argument checks (TypeError / ValueError naming the argument); the weights as a
+    tuple. x may be a non-contiguous stand-in of the input's shape (`x_name` names it then)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
+    weights = _as_weights(weight)
+    check_tensor(x, x_name, (torch.bfloat16,), dim=2, contiguous=x_name == "x")
+    check_same_device(**{x_name: x, "groups": groups, "weight": weights[0]})
+    n, k = weights[0].shape[-2:]
+    g = weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
+    if x.shape[1] != k:
+        raise ValueError(f"{x_name} is [M, K] = {list(x.shape)} but the weights are [N, K] = {[n, k]}: K differs")
+    if n % 128 != 0 or k % 128 != 0 or n == 0 or k == 0:
+        raise ValueError(
+            f"N and K must be positive multiples of 128 (the forward contracts over K and dgrad over N in "
+            f"128-wide FP8 scaling blocks), got N={n}, K={k}"
+        )
+    normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
+    return weights
+
+
 def fp8_grouped_linear(
     x: torch.Tensor,
     weight: Weights,
@@ -325,27 +368,8 @@ def fp8_grouped_linear(
     on every call). pow2_scales: power-of-two (UE8M0) scales everywhere. Returns bf16 `[M, N]`. See the module
     docstring for where the weight gradients go.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-    if not isinstance(pow2_scales, bool):
-        raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
-    weights = _as_weights(weight)
-    check_tensor(x, "x", (torch.bfloat16,), dim=2)
-    check_same_device(x=x, groups=groups, weight=weights[0])
-    n, k = weights[0].shape[-2:]
-    g = weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
-    if x.shape[1] != k:
-        raise ValueError(f"x is [M, K] = {list(x.shape)} but the weights are [N, K] = {[n, k]}: K differs")
-    if n % 128 != 0 or k % 128 != 0 or n == 0 or k == 0:
-        raise ValueError(
-            f"N and K must be positive multiples of 128 (the forward contracts over K and dgrad over N in "
-            f"128-wide FP8 scaling blocks), got N={n}, K={k}"
-        )
-    normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
-    if cache is not None:
-        wq = cache.get(weights, pow2_scales, backend)
-    else:
-        wq = quantize_weights(weights, pow2_scales, backend)
+    weights = check_linear_args(x, weight, groups, backend, pow2_scales)
+    wq = quantized_weights(weights, cache, pow2_scales, backend)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-        return _forward(x, groups, wq.q, wq.s, backend, pow2_scales)  # inference: nothing to save
+        return linear_forward(x, groups, wq.q, wq.s, backend, pow2_scales)  # inference: nothing to save
     return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, backend, pow2_scales, *weights)

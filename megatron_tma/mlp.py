@@ -28,6 +28,10 @@ Both layouts save and load the same state dict, Transformer Engine's keys `linea
 checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Both initialize expert by expert
 (`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
 
+`recompute_activation=True` (Megatron's `recompute_modules=["moe_act"]`) keeps h instead of the FP8 columns of
+`act(h) * probs` for backward and recomputes them there: F bytes less per routed token, the same bits
+(megatron_tma.activation_linear).
+
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
@@ -53,6 +57,7 @@ from torch import nn
 from . import _ext
 from ._validate import check_same_device, check_tensor
 from .activation import ACTIVATIONS, activation_times_probs
+from .activation_linear import fp8_activation_grouped_linear
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights
 from .groups import normalize_groups, padded_sizes, sizes_to_offsets
 from .padding import padded_row_count_upper_bound
@@ -180,12 +185,22 @@ class GroupedFP8Linear(_GroupedWeights):
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
 
-    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def _cache(self) -> FP8WeightCache:
         if self.is_first_microbatch:
             self.weight_cache.invalidate()
             self.is_first_microbatch = False
-        return fp8_grouped_linear(x, self.weights, groups, cache=self.weight_cache, backend=self.backend,
+        return self.weight_cache
+
+    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
                                   pow2_scales=self.pow2_scales)
+
+    def forward_activation(self, h: torch.Tensor, groups: torch.Tensor, probs: Optional[torch.Tensor],
+                           activation: str) -> torch.Tensor:
+        """`forward(act(h) * probs)`, keeping h for backward instead of the activation's FP8 columns
+        (megatron_tma.activation_linear: the same bits, F bytes per row less memory, the activation run again)."""
+        return fp8_activation_grouped_linear(h, probs, activation, self.weights, groups, cache=self._cache(),
+                                             backend=self.backend, pow2_scales=self.pow2_scales)
 
 
 class GroupedBF16Linear(_GroupedWeights):
@@ -260,7 +275,7 @@ class GroupedFP8MLP(_GroupedMLP):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *,
                  weight_layout: str = "stacked", device=None,
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None):
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         if hidden_size % 128 or ffn_hidden_size % 128 or hidden_size <= 0 or ffn_hidden_size <= 0:
@@ -271,7 +286,18 @@ class GroupedFP8MLP(_GroupedMLP):
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
                                    weight_layout=weight_layout, device=device, init_method=init_method)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
-        self.pad_to = pad_to
+        if not isinstance(recompute_activation, bool):
+            raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
+        self.pad_to, self.recompute_activation = pad_to, recompute_activation
+
+    def _mlp(self, x, groups, probs):
+        if not self.recompute_activation:
+            return super()._mlp(x, groups, probs)
+        return self.linear_fc2.forward_activation(self.linear_fc1(x, groups), groups, probs, self.activation)
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", pad_to={self.pad_to}"
+                + (", recompute_activation=True" if self.recompute_activation else ""))
 
     def invalidate_weight_cache(self) -> None:
         """Re-quantize the weights in the next forward (after updates their version counters do not show)."""

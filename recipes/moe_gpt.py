@@ -31,6 +31,8 @@ gap), the median ms per step over the second half of the steps and each mode's p
 beyond what the process held before it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms,
 ms per step, the checks) and a PNG of the curves and step times to `--out` (`--plot RESULT.json` redraws the PNG
 from a result, on any machine). Refuses to start where megatron_tma's CUDA kernels cannot run.
+`--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
+must not change the numbers, such as `--recompute-moe-act` or `--overlap-grad-reduce`).
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
 cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
@@ -107,10 +109,17 @@ def parse_args(argv=None):
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0; "
                         "that step's time then includes the profiler)")
+    p.add_argument("--recompute-moe-act", action="store_true",
+                   help="Megatron's selective recompute of the experts' activation (recompute_modules=['moe_act']): "
+                        "the FP8 experts keep h instead of the activation's FP8 columns; the same bits")
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
                    help="merge results of the same run settings, each with its own modes (one process per mode, for "
                         "models too large to hold several), check them as one run and write the merged result")
+    p.add_argument("--same-bits", nargs=2, metavar=("A_JSON", "B_JSON"),
+                   help="check that two results (e.g. with and without an option that must not change the numbers) "
+                        "trained every mode they share bit for bit: the same initial weights, per-step losses and "
+                        "grad norms, and final parameters")
     return p.parse_args(argv)
 
 
@@ -162,6 +171,8 @@ def build(args, mode):
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02,
+        moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
+        **(dict(recompute_granularity="selective", recompute_modules=["moe_act"]) if args.recompute_moe_act else {}),
     )
     setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
@@ -314,6 +325,8 @@ def main(argv=None):
         return 0
     if args.compare:
         return compare(args.compare, args.out)
+    if args.same_bits:
+        return same_bits(*args.same_bits)
     # Bit-exact comparisons need the rest of the model deterministic too: Megatron sums a token's top-k expert
     # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on (at top-4, unpadded and
     # padded16 differed from step 0 without them). warn_only: ops without a deterministic kernel warn.
@@ -382,7 +395,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(), "date": stamp.isoformat(), "world_size": world,
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare", "same_bits")},
         "loss_floor": loss_floor, "summary": report, "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
@@ -448,6 +461,28 @@ def compare(paths, out_dir):
               "records": {m: r["records"][m] for r in results for m in r["records"]}}
     save(merged, out_dir, stamp)
     return 1 if failures else 0
+
+
+def same_bits(path_a, path_b):
+    """0 if every mode the two results share trained the same bits (module docstring); prints what differs."""
+    runs = []
+    for path in (path_a, path_b):
+        with open(path) as f:
+            runs.append(runs_of(json.load(f)))
+    shared = [m for m in runs[0] if m in runs[1]]
+    if not shared:
+        raise SystemExit(f"--same-bits: {path_a} and {path_b} have no mode in common")
+    differ = []
+    for mode in shared:
+        a, b = runs[0][mode], runs[1][mode]
+        for key in ("init_digests", "losses", "grad_norms", "param_digests"):
+            if a[key] != b[key]:
+                differ.append(f"{mode}: {key}")
+        print(f"{mode}: {len(a['losses'])} / {len(b['losses'])} steps, "
+              f"{'the same bits' if not any(d.startswith(mode + ':') for d in differ) else 'DIFFERENT'}")
+    for d in differ:
+        print(f"differs: {d}")
+    return 1 if differ else 0
 
 
 def plot(result, path):

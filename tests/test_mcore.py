@@ -377,7 +377,6 @@ def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
     (dict(moe_router_padding_for_quantization=True), "need no padding"),
     (dict(moe_router_padding_for_fp8=True), "need no padding"),
     # memory savings Megatron's own experts implement and these do not
-    (dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"]), "'moe_act'"),
     (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), "'expert_fc1'"),
 ])
 def test_settings_that_would_do_nothing_are_flagged(kw, message):
@@ -391,3 +390,16 @@ def test_settings_that_would_do_nothing_are_flagged(kw, message):
         megatron_experts(4, make_config(recompute_granularity="selective", recompute_modules=["core_attn"],
                                         fine_grained_activation_offloading=True, offload_modules=["attn_norm"]),
                          mode="unpadded", backend="reference")
+
+
+def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
+    moe_act = dict(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # implemented by the FP8 experts: nothing to warn about
+        for mode in ("unpadded", "padded16"):
+            assert megatron_experts(4, make_config(**moe_act), mode=mode, backend="reference").recompute_activation
+        for kw in (dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                   dict(recompute_granularity="full", recompute_modules=["moe_act"]), {}):
+            assert not megatron_experts(4, make_config(**kw), mode="unpadded", backend="reference").recompute_activation
+    with pytest.warns(UserWarning, match="BF16 experts do not implement"):
+        megatron_experts(4, make_config(**moe_act), mode="bf16", backend="reference")

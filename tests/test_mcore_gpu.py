@@ -44,6 +44,19 @@ def test_recipe_with_overlapped_gradient_reduction(tmp_path):
     assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
 
 
+def test_recipe_with_moe_act_recompute_trains_the_same_bits(tmp_path):
+    """Megatron's `recompute_modules=["moe_act"]`: the FP8 experts recompute their activation in backward, and the
+    whole training run (losses, grad norms, final parameters) is the same bits as without it."""
+    args = ("--steps", "8", "--modes", "unpadded", "padded16")
+    plain, _ = _recipe(tmp_path / "plain", *args)
+    path, result = _recipe(tmp_path / "recompute", *args, "--recompute-moe-act")
+    assert result["config"]["recompute_moe_act"] and result["summary"]["padded16"]["bitexact_params"]
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("the same bits") == 2
+
+
 def test_recipe_unpadded_trains_bit_exactly_like_padded(tmp_path):
     steps = 24
     path, result = _recipe(tmp_path, "--steps", str(steps))

@@ -1,6 +1,7 @@
 """The FP8 expert MLP on the H200: the unpadded layer equals its padded twin bit for bit (output, dx, dprobs, every
-weight gradient, main_grad accumulation), stays close to the BF16 layer, is captured whole (forward + backward) in a
-CUDA graph and replayed with new group sizes, and never synchronises with the host.
+weight gradient, main_grad accumulation), and so does the layer that recomputes its activation in backward; it
+stays close to the BF16 layer, is captured whole (forward + backward) in a CUDA graph and replayed with new group
+sizes, and never synchronises with the host.
 Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
@@ -88,6 +89,25 @@ def test_padded_twin_is_bit_exact(g, h, f, t, dist, activation, pad_to):
         assert torch.equal(u, v), name
 
 
+@pytest.mark.parametrize("pad_to", [None, 16])
+@pytest.mark.parametrize("g,h,f,t,dist,activation", [CASES[i] for i in (0, 3, 4, 5, 6)])
+def test_recomputed_activation_gives_the_same_bits(g, h, f, t, dist, activation, pad_to):
+    """`recompute_activation=True` (Megatron's moe_act recompute) against the unpadded layer that keeps the
+    activation's FP8 columns: the recomputed z, its columns and every gradient are the same bits."""
+    torch.manual_seed(0)
+    ours = GroupedFP8MLP(g, h, f, activation, device=DEV)
+    recomputing = GroupedFP8MLP(g, h, f, activation, pad_to=pad_to, device=DEV, recompute_activation=True)
+    recomputing.load_state_dict(ours.state_dict())
+    inputs = _inputs(make_group_sizes(t, g, dist, seed=13), h, seed=14)
+    _poison_allocator()
+    a = _step(ours, *inputs)
+    _poison_allocator()
+    b = _step(recomputing, *inputs)
+    for name, u, v in zip(_names(ours), a, b):
+        assert not u.isnan().any(), name
+        assert torch.equal(u, v), name
+
+
 def test_padded_twin_is_bit_exact_with_pow2_scales():
     ours, padded = _modules(8, 512, 256, "swiglu", 128, pow2_scales=True)
     inputs = _inputs(make_group_sizes(1500, 8, "with_empty", seed=3), 512, seed=4)
@@ -154,12 +174,12 @@ def test_close_to_the_bf16_layer(dist, activation):
         assert R.diff(u, v) <= BF16_LAYER_TOL, (name, R.diff(u, v))
 
 
-@pytest.mark.parametrize("pad_to", [None, 128])
-def test_cuda_graph_replays_with_new_group_sizes(pad_to):
+@pytest.mark.parametrize("pad_to,recompute", [(None, False), (128, False), (None, True)])
+def test_cuda_graph_replays_with_new_group_sizes(pad_to, recompute):
     g, h, f, t = 8, 512, 256, 2048
     torch.manual_seed(0)
-    module = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV)
-    eager = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV)
+    module = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV, recompute_activation=recompute)
+    eager = GroupedFP8MLP(g, h, f, pad_to=pad_to, device=DEV, recompute_activation=recompute)
     eager.load_state_dict(module.state_dict())
     x, sizes, probs, dy = _inputs(make_group_sizes(t, g, "paper", seed=1), h, seed=2)
     x.requires_grad_()
@@ -196,9 +216,9 @@ def test_cuda_graph_replays_with_new_group_sizes(pad_to):
             assert torch.equal(u, v), (dist, name)
 
 
-@pytest.mark.parametrize("pad_to", [None, 16])
-def test_no_host_sync(pad_to):
-    module = GroupedFP8MLP(8, 512, 256, pad_to=pad_to, device=DEV)
+@pytest.mark.parametrize("pad_to,recompute", [(None, False), (16, False), (None, True)])
+def test_no_host_sync(pad_to, recompute):
+    module = GroupedFP8MLP(8, 512, 256, pad_to=pad_to, device=DEV, recompute_activation=recompute)
     x, sizes, probs, dy = _inputs(make_group_sizes(1000, 8, "with_empty", seed=9), 512, seed=9)
     _step(module, x, sizes, probs, dy)  # warm-up: first-call allocations, weight cache
     torch.cuda.synchronize()
@@ -209,11 +229,11 @@ def test_no_host_sync(pad_to):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("pad_to", [None, 16])
-def test_no_tokens_forward_and_backward(pad_to):
+@pytest.mark.parametrize("pad_to,recompute", [(None, False), (16, False), (None, True)])
+def test_no_tokens_forward_and_backward(pad_to, recompute):
     """A layer whose experts receive no token (an expert-parallel rank in a skewed step): empty output and input
     gradient, zero weight gradients in `.grad`, and an FP32 main_grad left as it was."""
-    module = GroupedFP8MLP(4, 256, 128, "swiglu", pad_to=pad_to, device=DEV)
+    module = GroupedFP8MLP(4, 256, 128, "swiglu", pad_to=pad_to, device=DEV, recompute_activation=recompute)
     sizes = torch.zeros(4, dtype=torch.int64, device=DEV)
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     probs = torch.empty(0, device=DEV, requires_grad=True)

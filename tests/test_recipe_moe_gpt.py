@@ -108,3 +108,20 @@ def test_step_time_is_the_median_of_the_second_half(recipe):
     run["times"] = [1190.0, 650.0, 580.0, 430.0, 420.0, 425.0]
     report, _ = recipe.summarize({"megatron": run})
     assert report["megatron"]["ms_per_step_median"] == 425.0
+
+
+def test_same_bits_compares_two_runs_mode_by_mode(recipe, tmp_path, capsys):
+    """`--same-bits A B`: an option that must not change the numbers (here: a config change) left every shared mode's
+    initial weights, losses, grad norms and final parameters as they were; any one difference fails it."""
+    base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
+    runs = {"unpadded": _run(**base), "bf16": _run([7.0, 5.1, 3.2], [2.0, 1.1, 0.6])}
+    a = _result(recipe, runs, ["unpadded", "bf16"], tmp_path, "a.json")
+    b = _result(recipe, {"unpadded": _run(**base)}, ["unpadded"], tmp_path, "b.json", recompute_moe_act=True)
+    assert recipe.same_bits(a, b) == 0 and "unpadded: 3 / 3 steps, the same bits" in capsys.readouterr().out
+    for change, what in ((dict(params="q"), "param_digests"), (dict(init="j"), "init_digests"),
+                         (dict(losses=[7.0, 5.0, 3.0000002]), "losses"), (dict(norms=[2.0, 1.0, 0.6]), "grad_norms")):
+        c = _result(recipe, {"unpadded": _run(**{**base, **change})}, ["unpadded"], tmp_path, "c.json")
+        assert recipe.same_bits(a, c) == 1 and f"differs: unpadded: {what}" in capsys.readouterr().out
+    d = _result(recipe, {"padded16": _run(**base)}, ["padded16"], tmp_path, "d.json")
+    with pytest.raises(SystemExit, match="no mode in common"):
+        recipe.same_bits(a, d)

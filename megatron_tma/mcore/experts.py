@@ -31,6 +31,9 @@ What the Megatron side needs, and where it is done here:
   that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
   entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
   its two CUDA calls stood in for, on the H200 as is).
+* Megatron's `recompute_modules=["moe_act"]` (selective recompute): the FP8 experts then recompute the activation
+  in backward instead of keeping its FP8 columns (`recompute_activation`, megatron_tma.activation_linear), with the
+  same bits; the BF16 experts warn that they do not.
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
 probs applied on the input, clamped or offset GLUs.
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
@@ -174,15 +177,20 @@ def _ignored_settings(config, mode: str):
         # these experts exist to remove, paid in routed tokens and GEMM work instead of copies
         yield ("config.moe_router_padding_for_quantization pads every expert's tokens for FP8; megatron_tma's "
                "experts need no padding: turn it off")
-    if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in (
-            getattr(config, "recompute_modules", None) or []):
-        yield ("config.recompute_modules has 'moe_act', which megatron_tma's experts do not implement: they keep the "
-               "fc1 output (BF16) and the activation output (FP8, as the fc2 weight gradient needs it) for backward")
+    if mode == "bf16" and _recomputes_activation(config):
+        yield ("config.recompute_modules has 'moe_act', which megatron_tma's BF16 experts do not implement (its FP8 "
+               "experts do): they keep the activation output for backward")
     if getattr(config, "fine_grained_activation_offloading", False):
         asked = [m for m in ("expert_fc1", "moe_act", "fused_group_mlp") if m in (config.offload_modules or [])]
         if asked:
             yield (f"config.offload_modules has {asked}, which megatron_tma's experts do not implement: their saved "
                    "activations stay on the GPU")
+
+
+def _recomputes_activation(config) -> bool:
+    """Megatron's selective recompute of the experts' activation (`--recompute-modules moe_act`)."""
+    return getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in (
+        getattr(config, "recompute_modules", None) or [])
 
 
 def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name: Optional[str] = None,
@@ -198,7 +206,8 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
-        module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device)
+        module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device,
+                                    recompute_activation=_recomputes_activation(config))
     module._setup_for_megatron(config)
     module._pg_collection = pg_collection  # the expert process groups, for the distributed checkpoint
     return module
