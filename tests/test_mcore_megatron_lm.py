@@ -136,8 +136,9 @@ def test_megatron_lm_model_unpadded_equals_padded16_on_the_gpu(megatron_lm_args)
 
     if not cuda_kernels_available():
         pytest.skip("needs an sm_90 GPU with the extension built")
-    # Megatron-LM's fused masked softmax is a CUDA extension of its own (not built here); the torch softmax runs
-    args = megatron_lm_args("--no-masked-softmax-fusion")
+    # Megatron-LM's fused masked softmax is a CUDA extension of its own (not built here): the torch softmax runs.
+    # No dropout: the two modes' steps must see the same function (the RNG is also re-seeded before each).
+    args = megatron_lm_args("--no-masked-softmax-fusion", "--attention-dropout", "0", "--hidden-dropout", "0")
     results, state = {}, None
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)  # as the recipe: the rest of the model must not vary
@@ -156,8 +157,10 @@ def test_megatron_lm_model_unpadded_equals_padded16_on_the_gpu(megatron_lm_args)
 def _megatron_lm_step(args, mode, state):
     """One forward and backward of the GPT Megatron-LM builds with `mode`'s experts: (loss, grads), weights."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
+    model_parallel_cuda_manual_seed(1234)  # Megatron's CUDA RNG tracker (attention forks it), as pretrain_gpt.py sets up
     config = core_transformer_config_from_args(args)
     config.perform_initialization = False  # the weights are set below, the same in both modes
     gpt = GPTModel(config=config, transformer_layer_spec=mcore.megatron_lm_spec(args, config, mode),
