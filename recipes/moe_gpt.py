@@ -26,13 +26,14 @@ Checks (the exit status is 1 if one fails): every mode starts from the same weig
 megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Megatron's own, compute their function
 on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
 norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every
-rank its own). Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
+rank its own); an evaluation after the last step (Megatron's: forward only, no per-iteration reset) gives the same
+loss again once the FP8 weight copies are forcibly re-made, i.e. it ran on the stepped weights. Reported, not pass/fail: how close each curve stays to the BF16 ones (largest gap, final-window mean
 gap), the median ms per step over the second half of the steps and each mode's peak GPU memory (what it allocated
 beyond what the process held before it, most over ranks). Writes `moe_gpt-<date>.json` (per-step losses, grad norms,
 ms per step, the checks) and a PNG of the curves and step times to `--out` (`--plot RESULT.json` redraws the PNG
 from a result, on any machine). Refuses to start where megatron_tma's CUDA kernels cannot run.
 `--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
-must not change the numbers, such as `--recompute-moe-act` or `--overlap-grad-reduce`).
+must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full` or `--overlap-grad-reduce`).
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
 cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
@@ -73,13 +74,15 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E402
+from megatron_tma.mcore import experts as mcore_experts  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
-    CONFIG_FLAG, MODES, from_sequential_mlp_key, layer_spec_from_config, megatron_experts)
+    CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, layer_spec_from_config, megatron_experts)
 
 
 # megatron_tma's modes, and "megatron": the config flag left unset, i.e. Megatron's own experts of the local spec
 # (SequentialMLP: one BF16 MLP per expert), with their weights drawn as megatron_tma's are (same initial model).
 RECIPE_MODES = MODES + ("megatron",)
+RECOMPUTE_MODULES = ("moe_act", "moe", "core_attn", "layernorm", "mlp")
 
 
 def parse_args(argv=None):
@@ -109,9 +112,15 @@ def parse_args(argv=None):
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0; "
                         "that step's time then includes the profiler)")
-    p.add_argument("--recompute-moe-act", action="store_true",
-                   help="Megatron's selective recompute of the experts' activation (recompute_modules=['moe_act']): "
-                        "the FP8 experts keep h instead of the activation's FP8 columns; the same bits")
+    recompute = p.add_mutually_exclusive_group()
+    recompute.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
+                           help="Megatron's selective recompute of these modules (recompute_modules): 'moe_act', the "
+                                "experts' activation (the FP8 experts then keep h instead of its FP8 columns), 'moe', "
+                                "the whole MoE layer under Megatron's checkpoint, or "
+                                f"{', '.join(RECOMPUTE_MODULES[2:])}; the same bits either way")
+    recompute.add_argument("--recompute-full", action="store_true",
+                           help="Megatron's full recompute: every transformer layer under its checkpoint (uniform, "
+                                "one layer per checkpoint)")
     p.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result (no GPU, no torchrun)")
     p.add_argument("--compare", nargs="+", metavar="RESULT_JSON",
                    help="merge results of the same run settings, each with its own modes (one process per mode, for "
@@ -121,6 +130,15 @@ def parse_args(argv=None):
                         "trained every mode they share bit for bit: the same initial weights, per-step losses and "
                         "grad norms, and final parameters")
     return p.parse_args(argv)
+
+
+def recompute_settings(args):
+    """The TransformerConfig fields of the run's recompute options (none: Megatron's defaults, no recompute)."""
+    if args.recompute_full:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if args.recompute_modules:
+        return dict(recompute_granularity="selective", recompute_modules=list(args.recompute_modules))
+    return {}
 
 
 def _successor_table(args, g):
@@ -172,7 +190,7 @@ def build(args, mode):
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02,
         moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
-        **(dict(recompute_granularity="selective", recompute_modules=["moe_act"]) if args.recompute_moe_act else {}),
+        **recompute_settings(args),
     )
     setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
@@ -273,6 +291,7 @@ def train(args, mode, rank, batches):
     mem0 = torch.cuda.memory_allocated()  # a finished mode's model stays allocated: count this mode's own bytes
     torch.cuda.reset_peak_memory_stats()
     model, optimizer = build(args, mode)
+    steps_counted = mcore_experts._optimizer_steps
     init_digests = gathered(digests(canonical_weights(model)))
     diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
     data = replay(batches)
@@ -312,9 +331,31 @@ def train(args, mode, rank, batches):
                   flush=True)
     peak = torch.tensor(float(torch.cuda.max_memory_allocated() - mem0) / 2**20, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
+    # the stepped weights. Evaluated as is, then again with the FP8 copies forcibly re-made: the same loss.
+    eval_loss = evaluate(args, model, batches)
+    found = invalidate_fp8_weights(model)
+    eval_requantized = evaluate(args, model, batches) if found else eval_loss
     param_digests = gathered(digests(model.named_parameters()))
     return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
-            "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak)}
+            "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak),
+            "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized,
+            # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
+            "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted}
+
+
+def evaluate(args, model, batches):
+    """The loss of the first batch in evaluation, as Megatron's `evaluate()` computes it: eval mode, the schedule's
+    forward only (no zero_grad_buffer), mean over the data-parallel ranks."""
+    model.eval()
+    with torch.no_grad():
+        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=replay(batches), model=[model],
+                                          num_microbatches=1, seq_length=args.seq_len,
+                                          micro_batch_size=args.micro_batch_size, forward_only=True)
+    model.train()
+    loss = out[0]["lm loss"].clone()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / parallel_state.get_data_parallel_world_size()
 
 
 def main(argv=None):
@@ -354,7 +395,8 @@ def main(argv=None):
 def summarize(runs):
     """(report per mode, failures) from the runs' records, in this process or merged from several (`--compare`).
     Failures: a mode that did not start from the first mode's weights; megatron_tma's experts not computing Megatron's
-    experts' function; a padded mode whose losses, grad norms or final parameters differ from the unpadded mode's."""
+    experts' function; a padded mode whose losses, grad norms or final parameters differ from the unpadded mode's;
+    an evaluation after the last step that changes when the FP8 weight copies are re-made (stale copies)."""
     failures, report = [], {}
     first = next(iter(runs.values()))
     ref = runs.get("unpadded")
@@ -372,6 +414,11 @@ def summarize(runs):
             row["experts_diff_vs_megatron"] = diffs
             if not (diffs["bf16"] < 1e-4 and diffs["unpadded"] < 3e-3):
                 failures.append(f"megatron_tma's experts do not compute Megatron's experts' function: {diffs}")
+        if run.get("eval_loss") is not None:
+            row["eval_loss"] = run["eval_loss"]
+            if run["eval_loss"] != run["eval_loss_requantized"]:  # stale FP8 weight copies after the last step
+                failures.append(f"{mode}: evaluation after the last step gave {run['eval_loss']!r}, "
+                                f"{run['eval_loss_requantized']!r} with the FP8 weights re-quantized")
         if ref is not None and mode.startswith("padded"):
             same_loss, same_norm = losses == ref["losses"], norms == ref["grad_norms"]
             same_params = run["param_digests"] == ref["param_digests"]
@@ -401,7 +448,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
                                                                                 run["times"]))],
         "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
-                                                 "peak_mb")}
+                                                 "peak_mb", "eval_loss", "eval_loss_requantized",
+                                                 "optimizer_steps_counted")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)

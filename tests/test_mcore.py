@@ -170,6 +170,39 @@ def test_fp8_cache_follows_megatrons_iteration_signal():
     assert torch.equal(fresh(x, sizes, probs)[0], out1)
 
 
+def test_fp8_cache_follows_optimizer_steps_for_evaluation():
+    """Megatron's evaluation runs right after a training step: DDP's flag is still True (no zero_grad_buffer()), and
+    the step wrote the weights through .data (a torch optimizer on FP32 master copies, then a copy into the
+    parameters, as Megatron's mixed-precision optimizer does). The next forward must see the new weights."""
+    experts = megatron_experts(4, make_config(), backend="reference")
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
+    masters = [w.detach().float().clone().requires_grad_() for w in weights]
+    optimizer = torch.optim.SGD(masters, lr=1.0)
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    x, sizes, probs = _routed()
+    out0, _ = experts(x, sizes, probs)
+    out0.float().square().sum().backward()
+    assert all(w.grad_added_to_main_grad is True for w in weights)
+    for m, w in zip(masters, weights):
+        m.grad = w.main_grad.clone()
+    optimizer.step()
+    with torch.no_grad():
+        for m, w in zip(masters, weights):
+            w.data.copy_(m)  # Megatron's _copy_main_params_to_model_params: no version counter moves
+    with torch.no_grad():  # evaluation: flags still True
+        out1, _ = experts(x, sizes, probs)
+        again, _ = experts(x, sizes, probs)  # no step since: the copies made for out1 are reused
+    torch.manual_seed(0)
+    fresh = megatron_experts(4, make_config(), backend="reference")
+    with torch.no_grad():
+        fresh.linear_fc1.weight.copy_(weights[0])
+        fresh.linear_fc2.weight.copy_(weights[1])
+        assert not torch.equal(out1, out0) and torch.equal(fresh(x, sizes, probs)[0], out1)
+    assert torch.equal(again, out1)
+
+
 def test_invalidate_fp8_weights_finds_every_fp8_module():
     model = torch.nn.ModuleList([megatron_experts(4, make_config(), backend="reference"),
                                  megatron_experts(4, make_config(), mode="bf16", backend="reference"),

@@ -34,10 +34,10 @@ def test_digests_see_bits_shape_and_dtype(recipe):
     assert len({d["w"], d["t"], d["f"], d["r"]}) == 4  # transposed bits, another dtype, another shape
 
 
-def _run(losses, norms, params="p", init="i", diffs=None, peak_mb=1000.0):
+def _run(losses, norms, params="p", init="i", diffs=None, peak_mb=1000.0, evals=(2.5, 2.5)):
     return {"losses": list(losses), "grad_norms": list(norms), "times": [100.0] * len(losses),
             "init_digests": [{"w": init}], "param_digests": [{"w": params}], "experts_diff_vs_megatron": diffs,
-            "peak_mb": peak_mb}
+            "peak_mb": peak_mb, "eval_loss": evals[0], "eval_loss_requantized": evals[1]}
 
 
 def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
@@ -55,6 +55,7 @@ def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
         ({"padded16": _run(**base, params="q")}, "parameters equal: False"),
         ({"padded16": _run(**base, init="j")}, "did not start from the first mode's weights"),
         ({"megatron": _run(**base, diffs={"bf16": 2e-4, "unpadded": 2e-3})}, "do not compute Megatron's experts"),
+        ({"unpadded": _run(**base, evals=(2.5, 2.4999998))}, "with the FP8 weights re-quantized"),
     ]
     for change, message in bad:
         _, failures = recipe.summarize({**good, **change})
@@ -69,7 +70,7 @@ def _result(recipe, runs, modes, tmp_path, name, **config_change):
               "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": 100.0}
                        for m in modes for i, (l, n) in enumerate(zip(runs[m]["losses"], runs[m]["grad_norms"]))],
               "records": {m: {k: runs[m][k] for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
-                                                       "peak_mb")}
+                                                       "peak_mb", "eval_loss", "eval_loss_requantized")}
                           for m in modes}}
     path = tmp_path / name
     path.write_text(json.dumps(result))
@@ -116,7 +117,7 @@ def test_same_bits_compares_two_runs_mode_by_mode(recipe, tmp_path, capsys):
     base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
     runs = {"unpadded": _run(**base), "bf16": _run([7.0, 5.1, 3.2], [2.0, 1.1, 0.6])}
     a = _result(recipe, runs, ["unpadded", "bf16"], tmp_path, "a.json")
-    b = _result(recipe, {"unpadded": _run(**base)}, ["unpadded"], tmp_path, "b.json", recompute_moe_act=True)
+    b = _result(recipe, {"unpadded": _run(**base)}, ["unpadded"], tmp_path, "b.json", recompute_modules=["moe_act"])
     assert recipe.same_bits(a, b) == 0 and "unpadded: 3 / 3 steps, the same bits" in capsys.readouterr().out
     for change, what in ((dict(params="q"), "param_digests"), (dict(init="j"), "init_digests"),
                          (dict(losses=[7.0, 5.0, 3.0000002]), "losses"), (dict(norms=[2.0, 1.0, 0.6]), "grad_norms")):
@@ -125,3 +126,12 @@ def test_same_bits_compares_two_runs_mode_by_mode(recipe, tmp_path, capsys):
     d = _result(recipe, {"padded16": _run(**base)}, ["padded16"], tmp_path, "d.json")
     with pytest.raises(SystemExit, match="no mode in common"):
         recipe.same_bits(a, d)
+
+
+def test_recompute_options_are_megatrons_config_fields(recipe):
+    assert recipe.recompute_settings(recipe.parse_args([])) == {}
+    assert recipe.recompute_settings(recipe.parse_args(["--recompute-modules", "moe_act", "core_attn"])) == dict(
+        recompute_granularity="selective", recompute_modules=["moe_act", "core_attn"])
+    assert recipe.recompute_settings(recipe.parse_args(["--recompute-full"]))["recompute_granularity"] == "full"
+    with pytest.raises(SystemExit):  # one or the other
+        recipe.parse_args(["--recompute-full", "--recompute-modules", "moe"])

@@ -24,9 +24,11 @@ What the Megatron side needs, and where it is done here:
   `config.fp8` is set (Transformer Engine's FP8). So the cache here is invalidated by Megatron's own per-iteration
   signal: `DistributedDataParallel.zero_grad_buffer()` resets `grad_added_to_main_grad` to False on every weight at
   the start of each iteration, and the backward sets it to True. A forward that finds it False re-quantizes (every
-  micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up, re-quantizes too: the same
-  bits again). Weights without the attribute (no Megatron DDP) rely on the version counter, which PyTorch's
-  optimizers do move; `invalidate_fp8_weights(model)` is there for any other update path.
+  micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up or a recompute in backward,
+  re-quantizes too: the same bits again). So does the first forward after any torch optimizer step in the process
+  (a global post-step hook): Megatron's evaluation runs after a step without resetting the flag. Weights without
+  the attribute (no Megatron DDP) rely on the version counter, which PyTorch's optimizers do move;
+  `invalidate_fp8_weights(model)` is there for any other update path.
 * Megatron's distributed checkpoint (`sharded_state_dict`): the shards and objects Megatron's own experts write, so
   that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
   entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
@@ -43,6 +45,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import warn_if_reference_on_gpu
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
@@ -154,13 +157,39 @@ class _MegatronExperts:
                 state_dict.pop(f"{prefix}{name}.{_EXTRA_STATE}{i}", None)
 
 
+_optimizer_steps = 0  # optimizer steps taken in this process (any torch.optim.Optimizer), see _watch_optimizer_steps
+_optimizer_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Count every torch optimizer step in the process (a global post-step hook, registered once). Megatron's
+    optimizers step a torch optimizer (Adam / SGD, fused or not) and then copy the new weights into the parameters
+    through `.data`; the next forward of the experts sees the count moved and re-quantizes. That covers what DDP's
+    per-iteration flag misses: a forward after a step but before the next iteration's `zero_grad_buffer()`, i.e.
+    Megatron's evaluation, which would otherwise run on the FP8 copies of the weights before the step."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
     """The unpadded FP8 expert MLP (or its padded twin) as Megatron experts; see the module docstring."""
 
+    _steps_seen = None  # the optimizer step count at this module's last forward
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs=None, **kwargs):
+        stepped = self._steps_seen != _optimizer_steps
+        self._steps_seen = _optimizer_steps
         for linear in (self.linear_fc1, self.linear_fc2):
-            if any(getattr(w, "grad_added_to_main_grad", None) is False for w in linear.weights):
-                linear.weight_cache.invalidate()  # a new iteration: the optimizer may have written the weights
+            # A new iteration (DDP reset the flag) or an optimizer step since the last forward: the weights may
+            # have been written through .data, which no version counter sees.
+            if stepped or any(getattr(w, "grad_added_to_main_grad", None) is False for w in linear.weights):
+                linear.weight_cache.invalidate()
         return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
 
 
@@ -203,6 +232,7 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     warn_if_reference_on_gpu(backend, device)
     for message in _ignored_settings(config, mode):
         warnings.warn(message, UserWarning, stacklevel=2)
+    _watch_optimizer_steps()
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
