@@ -67,6 +67,13 @@ def configs(quick):
     return [(model, G, M, dist) for model, (_, _, gs) in MODELS.items() for G in gs for M in TOKENS for dist in DISTS]
 
 
+def te_rows():
+    """(model, G, M, seed) of the six paper-distribution rows with quoted Transformer Engine numbers, each with its
+    seed in the full grid (row i has seed 2000 + i), for the experiments that time those rows."""
+    grid = configs(quick=False)
+    return [(model, G, M, 2000 + grid.index((model, G, M, "paper"))) for model, G, M in TE_REPORTED]
+
+
 class Step:
     """One training step of one module on fixed inputs; the gradients it makes replace the previous ones."""
 
@@ -100,15 +107,23 @@ class Step:
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked"):
+def layer_inputs(model, G, M, dist, seed, dev=DEV):
+    """(H, F, sizes [G] on the host, x, probs, dy) of one layer row, drawn from `seed` (x and probs are leaves that
+    want gradients); also seeds torch's generator for the modules the caller builds next, so every script that
+    times a row (this one, the experiments, the profilers) builds the same layer from the same seed."""
     H, F, _ = MODELS[model]
-    dev = DEV
     sizes = make_group_sizes(M, G, dist, seed)
     gen = torch.Generator(device=dev).manual_seed(seed)
     x = torch.randn(M, H, generator=gen, device=dev).bfloat16().requires_grad_()
     probs = torch.rand(M, generator=gen, device=dev).requires_grad_()
     dy = torch.randn(M, H, generator=gen, device=dev).bfloat16()
     torch.manual_seed(seed)
+    return H, F, sizes, x, probs, dy
+
+
+def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked"):
+    dev = DEV
+    H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
     ours = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
     padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, weight_layout=weight_layout, device=dev)
     bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)

@@ -31,7 +31,6 @@ from kgrouped_aligned_bound import aligned16  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
-from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 
@@ -62,14 +61,9 @@ def wgrad_pair(sizes, n, k, gen, iters):
 
 
 def run_row(model, G, M, seed, iters):
-    H, F, _ = bml.MODELS[model]
     dev = "cuda"
-    sizes = make_group_sizes(M, G, "paper", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(M, H, generator=gen, device=dev).bfloat16().requires_grad_()
-    probs = torch.rand(M, generator=gen, device=dev).requires_grad_()
-    dy = torch.randn(M, H, generator=gen, device=dev).bfloat16()
-    torch.manual_seed(seed)
+    H, F, sizes, x, probs, dy = bml.layer_inputs(model, G, M, "paper", seed, dev)
+    gen = torch.Generator(device=dev).manual_seed(seed + 1)  # the wgrad operands below
     step = bml.Step(GroupedFP8MLP(G, H, F, "swiglu", device=dev), x, sizes.to(dev), probs, dy, requantize=True)
     step_ms = common.bench_blocks({"ours": step}, iters=iters)["ours"]
     del step
@@ -99,11 +93,8 @@ def main():
     args = ap.parse_args()
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
-    # The layer benchmark's seeds: row i of its full grid has seed 2000 + i.
-    grid = bml.configs(quick=False)
     rows = []
-    for model, G, M in bml.TE_REPORTED:
-        seed = 2000 + grid.index((model, G, M, "paper"))
+    for model, G, M, seed in bml.te_rows():
         row = run_row(model, G, M, seed, args.iters)
         rows.append(row)
         print(f"{model:>14} G={G:3d} M={M:6d}: step {row['step_ms']:.3f} ms, "

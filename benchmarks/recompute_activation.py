@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_mlp_layer as bml  # noqa: E402
 import common  # noqa: E402
 
-from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 METHODS = ("keep", "recompute")
@@ -46,14 +45,8 @@ def held_mb(step: "bml.Step") -> float:
 
 
 def run_row(model, G, M, seed, iters):
-    H, F, _ = bml.MODELS[model]
     dev = "cuda"
-    sizes = make_group_sizes(M, G, "paper", seed)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(M, H, generator=gen, device=dev).bfloat16().requires_grad_()
-    probs = torch.rand(M, generator=gen, device=dev).requires_grad_()
-    dy = torch.randn(M, H, generator=gen, device=dev).bfloat16()
-    torch.manual_seed(seed)
+    H, F, sizes, x, probs, dy = bml.layer_inputs(model, G, M, "paper", seed, dev)
     keep = GroupedFP8MLP(G, H, F, "swiglu", device=dev)
     recompute = GroupedFP8MLP(G, H, F, "swiglu", device=dev, recompute_activation=True)
     recompute.load_state_dict(keep.state_dict())
@@ -80,10 +73,9 @@ def main():
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    grid = bml.configs(quick=False)  # the layer benchmark's seeds: row i of its full grid has seed 2000 + i
     rows = []
-    for model, G, M in bml.TE_REPORTED:
-        row = run_row(model, G, M, 2000 + grid.index((model, G, M, "paper")), args.iters)
+    for model, G, M, seed in bml.te_rows():
+        row = run_row(model, G, M, seed, args.iters)
         rows.append(row)
         print(f"{model:>14} G={G:3d} M={M:6d}: held {row['keep_held_mb']:.0f} -> {row['recompute_held_mb']:.0f} MB "
               f"(-{row['held_saved_pct']:.1f}%), peak {row['keep_peak_mb']:.0f} -> {row['recompute_peak_mb']:.0f} MB, "

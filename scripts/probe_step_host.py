@@ -19,7 +19,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_mlp_layer as bml  # noqa: E402
 
 from megatron_tma import activation, autograd, gemm, quant  # noqa: E402
-from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 RECORD = []
@@ -51,11 +50,7 @@ def main():
             if not name.startswith("_") and callable(getattr(module, name)) and getattr(
                     getattr(module, name), "__module__", "") == module.__name__ and not isinstance(getattr(module, name), type):
                 timed(module, name)
-    sizes = make_group_sizes(M, G, "paper", 2010)
-    gen = torch.Generator(device="cuda").manual_seed(2010)
-    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-    probs = torch.rand(M, generator=gen, device="cuda").requires_grad_()
-    dy = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
+    _, _, sizes, x, probs, dy = bml.layer_inputs(model, G, M, "paper", 2010)
     step = bml.Step(GroupedFP8MLP(G, H, F, "swiglu", device="cuda"), x, sizes.cuda(), probs, dy, requantize=True)
     for _ in range(args.steps):
         torch.cuda.synchronize()

@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_mlp_layer as bml  # noqa: E402
 import common  # noqa: E402
 
-from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
 
 
@@ -107,13 +106,7 @@ def top_cpu_ops(step, count=12):
 
 
 def profile_config(model, G, M, steps, seed=2010):
-    H, F, _ = bml.MODELS[model]
-    sizes = make_group_sizes(M, G, "paper", seed)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(M, H, generator=gen, device="cuda").bfloat16().requires_grad_()
-    probs = torch.rand(M, generator=gen, device="cuda").requires_grad_()
-    dy = torch.randn(M, H, generator=gen, device="cuda").bfloat16()
-    torch.manual_seed(seed)
+    H, F, sizes, x, probs, dy = bml.layer_inputs(model, G, M, "paper", seed)
     mods = {"ours": GroupedFP8MLP(G, H, F, "swiglu", device="cuda"),
             "padded_path": GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, device="cuda"),
             "bf16": GroupedBF16MLP(G, H, F, "swiglu", device="cuda")}

@@ -78,13 +78,17 @@ CASES = [
 @pytest.mark.parametrize("g,h,f,t,dist,activation", CASES)
 def test_padded_twin_is_bit_exact(g, h, f, t, dist, activation, pad_to):
     ours, padded = _modules(g, h, f, activation, pad_to)
-    sizes = make_group_sizes(t, g, dist, seed=11)
-    inputs = _inputs(sizes, h, seed=12)
+    _assert_same_bits(ours, padded, _inputs(make_group_sizes(t, g, dist, seed=11), h, seed=12))
+
+
+def _assert_same_bits(a, b, inputs):
+    """Every output and gradient of one step of `a` and of `b` on `inputs`, bit for bit (free memory poisoned
+    before each, so that a row nobody writes shows up as NaN)."""
     _poison_allocator()
-    a = _step(ours, *inputs)
+    results_a = _step(a, *inputs)
     _poison_allocator()
-    b = _step(padded, *inputs)
-    for name, u, v in zip(_names(ours), a, b):
+    results_b = _step(b, *inputs)
+    for name, u, v in zip(_names(a), results_a, results_b):
         assert not u.isnan().any(), name
         assert torch.equal(u, v), name
 
@@ -98,14 +102,7 @@ def test_recomputed_activation_gives_the_same_bits(g, h, f, t, dist, activation,
     ours = GroupedFP8MLP(g, h, f, activation, device=DEV)
     recomputing = GroupedFP8MLP(g, h, f, activation, pad_to=pad_to, device=DEV, recompute_activation=True)
     recomputing.load_state_dict(ours.state_dict())
-    inputs = _inputs(make_group_sizes(t, g, dist, seed=13), h, seed=14)
-    _poison_allocator()
-    a = _step(ours, *inputs)
-    _poison_allocator()
-    b = _step(recomputing, *inputs)
-    for name, u, v in zip(_names(ours), a, b):
-        assert not u.isnan().any(), name
-        assert torch.equal(u, v), name
+    _assert_same_bits(ours, recomputing, _inputs(make_group_sizes(t, g, dist, seed=13), h, seed=14))
 
 
 def test_padded_twin_is_bit_exact_with_pow2_scales():
