@@ -411,6 +411,10 @@ def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
     (dict(moe_router_padding_for_fp8=True), "need no padding"),
     # memory savings Megatron's own experts implement and these do not
     (dict(fine_grained_activation_offloading=True, offload_modules=["expert_fc1"]), "'expert_fc1'"),
+    # settings whose results are not checked: the FP8 weight cache is host logic, CUDA graphs replay without it
+    (dict(cuda_graph_impl="local", cuda_graph_modules=[]), "captures megatron_tma's FP8 experts"),
+    (dict(cuda_graph_impl="transformer_engine", cuda_graph_modules=["attn", "moe"]), "cuda_graph_impl"),
+    (dict(cuda_graph_impl="full_iteration", cuda_graph_modules=[]), "untested"),
 ])
 def test_settings_that_would_do_nothing_are_flagged(kw, message):
     with pytest.warns(UserWarning, match=message):
@@ -423,6 +427,11 @@ def test_settings_that_would_do_nothing_are_flagged(kw, message):
         megatron_experts(4, make_config(recompute_granularity="selective", recompute_modules=["core_attn"],
                                         fine_grained_activation_offloading=True, offload_modules=["attn_norm"]),
                          mode="unpadded", backend="reference")
+        for modules in (["attn"], ["attn", "moe_router", "moe_preprocess"]):  # graphs that stop before the experts
+            megatron_experts(4, make_config(cuda_graph_impl="local", cuda_graph_modules=modules), mode="unpadded",
+                             backend="reference")
+        megatron_experts(4, make_config(cuda_graph_impl="local", cuda_graph_modules=[]), mode="bf16",
+                         backend="reference")  # no FP8 weight cache
 
 
 def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():

@@ -33,6 +33,8 @@ What the Megatron side needs, and where it is done here:
   that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
   entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
   its two CUDA calls stood in for, on the H200 as is).
+* Warned about, not refused: Megatron's training CUDA graphs around these experts (`cuda_graph_impl`), untested,
+  since the cache above is host logic that a replay skips (right only if the capture recorded the quantization).
 * Megatron's `recompute_modules=["moe_act"]` (selective recompute): the FP8 experts then recompute the activation
   in backward instead of keeping its FP8 columns (`recompute_activation`, megatron_tma.activation_linear), with the
   same bits; the BF16 experts warn that they do not.
@@ -214,6 +216,24 @@ def _ignored_settings(config, mode: str):
         if asked:
             yield (f"config.offload_modules has {asked}, which megatron_tma's experts do not implement: their saved "
                    "activations stay on the GPU")
+    if mode != "bf16" and _graphs_capture_experts(config):
+        yield (f"config.cuda_graph_impl={config.cuda_graph_impl!r} captures megatron_tma's FP8 experts in CUDA graphs, "
+               "which is untested: their FP8 weight copies are re-made by host-side checks that do not run at replay, "
+               "so a graph captured while the copies were cached would replay them after the weights changed")
+
+
+def _graphs_capture_experts(config) -> bool:
+    """Megatron's training CUDA graphs with the MoE layer's experts inside: the full iteration, or per-layer graphs
+    of the whole layer (no modules listed, or "full") or of its MLP part ("moe")."""
+    impl = getattr(config, "cuda_graph_impl", "none") or "none"
+    if impl == "full_iteration":
+        return True
+    if impl not in ("local", "transformer_engine"):
+        return False
+    modules = getattr(config, "cuda_graph_modules", None)
+    modules = [modules] if isinstance(modules, str) or modules is None else list(modules)
+    names = {str(getattr(m, "name", m)).lower() for m in modules if m is not None}
+    return not names or bool(names & {"full", "moe"})
 
 
 def _recomputes_activation(config) -> bool:
