@@ -191,15 +191,16 @@ class GroupedFP8Linear(_GroupedWeights):
             self.is_first_microbatch = False
         return self.weight_cache
 
-    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
-                                  pow2_scales=self.pow2_scales)
-
-    def forward_activation(self, h: torch.Tensor, groups: torch.Tensor, probs: Optional[torch.Tensor],
-                           activation: str) -> torch.Tensor:
-        """`forward(act(h) * probs)`, keeping h for backward instead of the activation's FP8 columns
-        (megatron_tma.activation_linear: the same bits, F bytes per row less memory, the activation run again)."""
-        return fp8_activation_grouped_linear(h, probs, activation, self.weights, groups, cache=self._cache(),
+    def forward(self, x: torch.Tensor, groups: torch.Tensor, probs: Optional[torch.Tensor] = None,
+                activation: Optional[str] = None) -> torch.Tensor:
+        """The layer on x; with `activation`, on `act(x) * probs` computed from x = h here and recomputed in
+        backward instead of keeping its FP8 columns (megatron_tma.activation_linear: the same bits, F bytes per row
+        less memory). Both ways go through the module call, so that hooks on this module (Megatron's parameter
+        all-gather waits in its forward pre-hook) run before the weights are read."""
+        if activation is None:
+            return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
+                                      pow2_scales=self.pow2_scales)
+        return fp8_activation_grouped_linear(x, probs, activation, self.weights, groups, cache=self._cache(),
                                              backend=self.backend, pow2_scales=self.pow2_scales)
 
 
@@ -293,7 +294,7 @@ class GroupedFP8MLP(_GroupedMLP):
     def _mlp(self, x, groups, probs):
         if not self.recompute_activation:
             return super()._mlp(x, groups, probs)
-        return self.linear_fc2.forward_activation(self.linear_fc1(x, groups), groups, probs, self.activation)
+        return self.linear_fc2(self.linear_fc1(x, groups), groups, probs, self.activation)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pad_to={self.pad_to}"

@@ -149,3 +149,16 @@ def test_inference_and_validation(gen):
     with pytest.raises(TypeError, match="recompute_activation must be a bool"):
         GroupedFP8MLP(G, H, FFN, recompute_activation="yes")
     assert "recompute_activation=True" in repr(_pair()[1])
+
+
+def test_both_linears_run_through_their_module_call(gen):
+    """Megatron's distributed optimizer waits for a module's parameter all-gather in that module's forward pre-hook
+    (overlap_param_gather): fc2 must be called as a module when it recomputes its input too, or its weights would
+    be quantized before they arrive."""
+    _, recomputing = _pair()
+    calls = []
+    for name in ("linear_fc1", "linear_fc2"):
+        getattr(recomputing, name).register_forward_pre_hook(lambda module, args, name=name: calls.append(name))
+    x, sizes, p, dy = _inputs(gen, [5, 0, 130, 1])
+    _step(recomputing, x, sizes, p, dy)
+    assert calls == ["linear_fc1", "linear_fc2"]
