@@ -8,8 +8,9 @@ recomputes z with the same kernel (the same bits: every element comes from its o
 columns, runs fc2's backward and then the activation's. Saved: F bytes per routed token (about 12% of the
 layer's saved activations at DeepSeek-V3's H = 7168, F = 2048). Paid: one activation pass and one column
 quantization of z in backward (the forward quantizes z's rows only, instead of rows and columns in one pass).
-The results equal `activation_times_probs` followed by `fp8_grouped_linear` bit for bit (tests/test_autograd.py
-on the reference backend, tests/test_mlp_gpu.py on the kernels), so the padded twin stays the oracle.
+The results equal `activation_times_probs` followed by `fp8_grouped_linear` bit for bit
+(tests/test_activation_linear.py on the reference backend, tests/test_mlp_gpu.py on the kernels), so the padded twin
+stays the oracle.
 """
 from typing import Optional
 
@@ -17,6 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import quant
+from ._validate import check_same_device
 from .activation import act_times_probs_backward, act_times_probs_forward, check_activation_args, resolve_kernel
 from .autograd import FP8WeightCache, Weights, check_linear_args, linear_backward, linear_forward, quantized_weights
 
@@ -75,7 +77,9 @@ def fp8_activation_grouped_linear(
     Returns bf16 `[T, N]`, with gradients for h, the probs and the weights."""
     check_activation_args(h, probs, activation)
     f = h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
-    weights = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)")
+    weights = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)", x_contiguous=False)
+    if probs is not None:
+        check_same_device(h=h, probs=probs)
     use_kernel = resolve_kernel(h, activation, backend)
     wq = quantized_weights(weights, cache, pow2_scales, backend)
     wants_grad = h.requires_grad or (probs is not None and probs.requires_grad) or any(w.requires_grad

@@ -327,15 +327,16 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
 
 
 def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, backend: str, pow2_scales: bool,
-                      x_name: str = "x") -> Tuple[torch.Tensor, ...]:
+                      x_name: str = "x", x_contiguous: bool = True) -> Tuple[torch.Tensor, ...]:
     """`fp8_grouped_linear`'s argument checks (TypeError / ValueError naming the argument); the weights as a
-    tuple. x may be a non-contiguous stand-in of the input's shape (`x_name` names it then)."""
+    tuple. A caller that computes the input itself passes a stand-in of its shape as x (`x_name` names it, and
+    `x_contiguous=False` lets it be a view)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
     if not isinstance(pow2_scales, bool):
         raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
     weights = _as_weights(weight)
-    check_tensor(x, x_name, (torch.bfloat16,), dim=2, contiguous=x_name == "x")
+    check_tensor(x, x_name, (torch.bfloat16,), dim=2, contiguous=x_contiguous)
     check_same_device(**{x_name: x, "groups": groups, "weight": weights[0]})
     n, k = weights[0].shape[-2:]
     g = weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
