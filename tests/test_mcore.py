@@ -55,6 +55,8 @@ def test_config_ffn_falls_back_to_ffn_hidden_size():
     (dict(glu_linear_offset=1.0), "glu_linear_offset"),
     (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size"),
     (dict(params_dtype=torch.float32), "params_dtype"),
+    (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
+    (dict(overlap_dispatch_backward_with_experts_wgrad=True), "overlap_dispatch_backward_with_experts_wgrad"),
     (dict(hidden_size=200), "hidden_size"),
     (dict(moe_ffn_hidden_size=96), "moe_ffn_hidden_size"),
     (dict(gated_linear_unit=True, activation_func=F.gelu), "gated_linear_unit=True, activation_func=gelu"),

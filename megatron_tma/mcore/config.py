@@ -84,6 +84,10 @@ def expert_mlp_args(config) -> ExpertMLPArgs:
         refuse("glu_linear_offset", "a GLU linear offset is not implemented")
     if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
         refuse("moe_mlp_glu_interleave_size", "the gate half comes first (Megatron's default layout)")
+    for field in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+        if getattr(config, field, False):  # both make Megatron call experts.backward_dw() for a deferred wgrad
+            refuse(field, "the FP8 experts compute their weight gradients in the backward itself (no deferred "
+                   "backward_dw); turn it off")
     if getattr(config, "params_dtype", torch.bfloat16) != torch.bfloat16:
         refuse("params_dtype", "the expert weights are BF16 (the FP8 copies are made from them)")
     hidden = int(config.hidden_size)

@@ -39,7 +39,8 @@ What the Megatron side needs, and where it is done here:
   in backward instead of keeping its FP8 columns (`recompute_activation`, megatron_tma.activation_linear), with the
   same bits; the BF16 experts warn that they do not.
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
-probs applied on the input, clamped or offset GLUs.
+probs applied on the input, clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
+`overlap_dispatch_backward_with_experts_wgrad`: Megatron would call `backward_dw()`).
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
 module itself runs, and is tested, without it.
 """
