@@ -51,7 +51,7 @@ def main():
             nbytes = (M * (N + K) + (M // 128 + G) * (N + K) * 4 + G * N * K * (8 if c is not None else 2))
             roof = max(flops / (ceil["dense_fp8_tflops"] * 1e9), nbytes / (ceil["copy_tbps"] * 1e9))
             if c is not None:
-                def fresh_c():  # a copy of C, 16-byte aligned (fp32+=) or 8 bytes past it (fp32+=r)
+                def fresh_c(c=c):  # a copy of C, 16-byte aligned (fp32+=) or 8 bytes past it (fp32+=r)
                     shift = 2 if out == "fp32+=r" else 0
                     buf = torch.empty(c.numel() + 4, device="cuda")
                     view = buf[shift:shift + c.numel()].view_as(c)

@@ -51,7 +51,7 @@ def main():
                 cells = []
                 for r in runs:
                     os.environ["MEGATRON_TMA_QUANT_RUN"] = str(r)
-                    ms = common.bench(lambda: f(x, groups, False, backend="cuda"), iters=args.iters)
+                    ms = common.bench(lambda x=x: f(x, groups, False, backend="cuda"), iters=args.iters)
                     cells.append(f"{nbytes / ms / 1e9:8.2f}")
                 print(f"{m:>6} {k:>5} {G:>4} {'fused' if fused else 'columns':7} {kind:8} {ln:5} " + " ".join(cells),
                       flush=True)

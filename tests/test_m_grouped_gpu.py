@@ -3,7 +3,6 @@ nothing outside its groups, graph-capturable, no host sync. Skipped without a Ho
 import pytest
 import torch
 
-import megatron_tma
 from megatron_tma import _ext
 from megatron_tma import reference as R
 from megatron_tma.gemm import m_grouped_fp8_gemm
