@@ -1,5 +1,6 @@
 """Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
 import functools
+import importlib.util
 import warnings
 
 import torch
@@ -10,7 +11,10 @@ try:
     _EXT_ERROR = None
 except ImportError as e:  # pure-Python install, or a build for another torch
     _C = None
-    _EXT_ERROR = e
+    # Without the compiled file Python's message blames a circular import; say what it is instead.
+    _EXT_ERROR = e if importlib.util.find_spec(f"{__package__}._C") is not None else ImportError(
+        "no compiled megatron_tma._C: a pure-Python install (built without a CUDA torch, nvcc or the CuTe/CUTLASS "
+        "headers)")
 
 
 def has_extension() -> bool:
