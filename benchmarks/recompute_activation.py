@@ -11,7 +11,8 @@ activation's FP8 columns (`keep`) and the one that recomputes them in backward (
   backward, so this one can grow while the held memory shrinks);
 * `bitexact`: every output and gradient equal between the two.
 
-    python benchmarks/recompute_activation.py [--iters 25] [--out FILE.json]
+    python benchmarks/recompute_activation.py [--iters 25] [--out FILE.json]   # writes FILE.png beside it
+    python benchmarks/recompute_activation.py --plot FILE.json                    # redraw the PNG (no GPU)
 """
 import argparse
 import datetime
@@ -68,11 +69,48 @@ def run_row(model, G, M, seed, iters):
     return row
 
 
+def plot(result: dict, png: str) -> None:
+    """Held MB per layer (keep / recompute) and the step's time cost, per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['model'].split('_')[0]}\nG={r['G']} M={r['M'] // 1024}k" for r in rows]
+    xs = range(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for offset, method, color in ((-0.2, "keep", "tab:gray"), (0.2, "recompute", "tab:blue")):
+        ax1.bar([x + offset for x in xs], [r[f"{method}_held_mb"] for r in rows], width=0.4, color=color,
+                label={"keep": "keeps the activation's FP8 columns", "recompute": "recomputes them in backward"}[method])
+    for x, r in zip(xs, rows):
+        ax1.annotate(f"-{r['held_saved_pct']:.0f}%", (x + 0.2, r["recompute_held_mb"]), ha="center", va="bottom",
+                     fontsize=8)
+    ax1.set_xticks(list(xs), labels, fontsize=8)
+    ax1.set_ylabel("MB held from forward to backward (one layer)")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=8)
+    ax2.bar(list(xs), [r["time_cost_pct"] for r in rows], color="tab:orange")
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.set_xticks(list(xs), labels, fontsize=8)
+    ax2.set_ylabel("step time, recompute vs keep (%)")
+    fig.suptitle(f"moe_act recompute in the FP8 expert MLP (fwd + bwd, {result['gpu']}, {result['commit']}); "
+                 f"all bits equal: {result['summary']['all_bitexact']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default="")
+    ap.add_argument("--plot", metavar="RESULT_JSON", help="only redraw the PNG of a result")
     args = ap.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), args.plot[:-len(".json")] + ".png")
+        return
     rows = []
     for model, G, M, seed in bml.te_rows():
         row = run_row(model, G, M, seed, args.iters)
@@ -94,6 +132,8 @@ def main():
                        "gpu": torch.cuda.get_device_name(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": "python benchmarks/recompute_activation.py", "rows": rows,
                        "summary": summary}, f, indent=1)
+        with open(args.out) as f:
+            plot(json.load(f), args.out[:-len(".json")] + ".png")
 
 
 if __name__ == "__main__":
