@@ -49,7 +49,7 @@ def test_config_ffn_falls_back_to_ffn_hidden_size():
     (dict(num_moe_experts=None), "num_moe_experts"),
     (dict(add_bias_linear=True), "add_bias_linear"),
     (dict(moe_latent_size=64), "moe_latent_size"),
-    (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input"),
+    (dict(moe_apply_probs_on_input=True, moe_router_topk=2), "moe_apply_probs_on_input=True needs moe_router_topk=1"),
     (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
     (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
     (dict(glu_linear_offset=1.0), "glu_linear_offset"),
@@ -110,14 +110,21 @@ def test_experts_follow_megatrons_contract(mode):
         assert p.allreduce is True and p.tensor_model_parallel is False  # EP = 1: reduced with the dense layers
 
 
-def test_padded_modes_equal_unpadded_on_the_reference():
-    outs = []
+@pytest.mark.parametrize("probs_on_input", [False, True])
+def test_padded_modes_equal_unpadded_on_the_reference(probs_on_input):
+    results = []
     for mode in ("unpadded", "padded16", "padded128"):
         torch.manual_seed(3)  # same initial weights (default init draws the same numbers)
-        experts = megatron_experts(4, make_config(), mode=mode, backend="reference")
+        experts = megatron_experts(4, make_config(moe_apply_probs_on_input=probs_on_input, moe_router_topk=1),
+                                   mode=mode, backend="reference")
         x, sizes, probs = _routed(seed=5)
-        outs.append(experts(x, sizes, probs)[0])
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        x.requires_grad_()
+        probs.requires_grad_()
+        out = experts(x, sizes, probs)[0]
+        out.float().square().sum().backward()
+        results.append([out.detach(), x.grad, probs.grad] + [p.grad for p in experts.parameters()])
+    for other in results[1:]:
+        assert all(torch.equal(u, v) for u, v in zip(results[0], other))
 
 
 def test_expert_parallel_marks_parameters_for_the_expert_dp_group():
@@ -253,19 +260,22 @@ def test_spec_switch_replaces_only_the_experts():
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
-def test_experts_compute_megatrons_experts_function(megatron_cpu):
+@pytest.mark.parametrize("probs_on_input", [False, True])
+def test_experts_compute_megatrons_experts_function(megatron_cpu, probs_on_input):
     """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts
-    compute the same function (SwiGLU with the gate half first, probs after the activation): DESIGN.md's diff at
-    BF16 rounding level; the FP8 experts within the FP8 recipe's noise. State-dict keys map one to one."""
+    compute the same function (SwiGLU with the gate half first, probs after the activation, or on the input with
+    `moe_apply_probs_on_input` at top-1): DESIGN.md's diff at BF16 rounding level; the FP8 experts within the FP8
+    recipe's noise. State-dict keys map one to one."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
-                            moe_router_topk=2, moe_ffn_hidden_size=256, gated_linear_unit=True,
+                            moe_router_topk=1 if probs_on_input else 2, moe_ffn_hidden_size=256, gated_linear_unit=True,
                             activation_func=F.silu, add_bias_linear=False, moe_token_dispatcher_type="allgather",
                             use_cpu_initialization=True, perform_initialization=False, bf16=True,
-                            params_dtype=torch.bfloat16)
+                            params_dtype=torch.bfloat16, moe_apply_probs_on_input=probs_on_input,
+                            moe_router_pre_softmax=probs_on_input)  # Megatron asks for it at top-1
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=True),
                    vocab_size=512, max_sequence_length=64)
     seq = gpt.decoder.layers[0].mlp.experts

@@ -73,8 +73,8 @@ def expert_mlp_args(config) -> ExpertMLPArgs:
         refuse("add_bias_linear", "the FP8 experts have no biases (set add_bias_linear=False)")
     if getattr(config, "moe_latent_size", None) is not None:
         refuse("moe_latent_size", "latent expert projections are not implemented")
-    if getattr(config, "moe_apply_probs_on_input", False):
-        refuse("moe_apply_probs_on_input", "the probs are applied after the activation, in FP32 (DESIGN.md)")
+    if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
+        refuse("moe_router_topk", "moe_apply_probs_on_input=True needs moe_router_topk=1, as Megatron's experts do")
     if (getattr(config, "expert_tensor_parallel_size", None) or 1) != 1:
         refuse("expert_tensor_parallel_size", "the experts are not split over tensor-parallel ranks: use 1 "
                "(expert parallelism, expert_model_parallel_size, is supported)")

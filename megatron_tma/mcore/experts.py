@@ -38,8 +38,10 @@ What the Megatron side needs, and where it is done here:
 * Megatron's `recompute_modules=["moe_act"]` (selective recompute): the FP8 experts then recompute the activation
   in backward instead of keeping its FP8 columns (`recompute_activation`, megatron_tma.activation_linear), with the
   same bits; the BF16 experts warn that they do not.
+* `moe_apply_probs_on_input` (top-1 only, as Megatron): the probs scale the experts' input instead of the
+  activation's output, as Megatron's experts compute it.
 Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
-probs applied on the input, clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
+clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
 `overlap_dispatch_backward_with_experts_wgrad`: Megatron would call `backward_dw()`).
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
 module itself runs, and is tested, without it.
@@ -91,6 +93,11 @@ class _MegatronExperts:
                 "op path and inference routing)"
             )
         x = permuted_local_hidden_states
+        if getattr(self.config, "moe_apply_probs_on_input", False) and permuted_probs is not None:
+            # Megatron's top-1 option: the probs scale the input (FP32 product, one rounding to x's dtype), and the
+            # activation then multiplies by nothing; the padded twins get the same scaled rows, so the bits agree
+            x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
+            permuted_probs = None
         if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device != x.device:
             # Megatron's dispatchers may keep the counts on the host; the kernels read them on the device only.
             tokens_per_expert = tokens_per_expert.to(x.device, non_blocking=True)
