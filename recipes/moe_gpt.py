@@ -3,6 +3,7 @@ and check that the unpadded FP8 experts train exactly like their padded twins.
 
     torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 5 modes x 300 steps
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
+    torchrun --nproc-per-node 2 recipes/moe_gpt.py --etp 2 --out OUT_DIR          # every expert split over 2 GPUs
 
 Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
 router with its aux loss, the all-to-all token dispatcher), Float16Module, Megatron's DDP with FP32 gradient
@@ -103,7 +104,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the world size)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size (default: the world size over --etp)")
+    p.add_argument("--etp", type=int, default=1,
+                   help="expert tensor-parallel size: every expert's FFN split over this many ranks, which all see "
+                        "the group's tokens; Megatron's dispatcher adds up their partial outputs")
     p.add_argument("--out", default="recipes/results")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--overlap-grad-reduce", action="store_true",
@@ -188,6 +193,7 @@ def build(args, mode):
         ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
         moe_ffn_hidden_size=args.expert_ffn, moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02,
@@ -378,12 +384,13 @@ def main(argv=None):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    args.ep = args.ep or world
+    args.ep = args.ep or max(1, world // args.etp)
     if any(m != "megatron" for m in args.modes) and not cuda_kernels_available():
         # the experts would fall back to the torch reference: right bits, ~10x the step time, nothing to compare
         raise SystemExit(f"megatron_tma's CUDA kernels cannot run here ({extension_error() or 'not an sm_90 GPU'}); "
                          "build the extension with the CuTe/CUTLASS headers on the path (nvidia-cutlass) first")
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep,
+                                             expert_tensor_parallel_size=args.etp)
     batches, loss_floor = chain_batches(args, rank)
     runs = {mode: train(args, mode, rank, batches) for mode in args.modes}
     report, failures = summarize(runs)

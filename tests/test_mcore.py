@@ -50,11 +50,14 @@ def test_config_ffn_falls_back_to_ffn_hidden_size():
     (dict(add_bias_linear=True), "add_bias_linear"),
     (dict(moe_latent_size=64), "moe_latent_size"),
     (dict(moe_apply_probs_on_input=True, moe_router_topk=2), "moe_apply_probs_on_input=True needs moe_router_topk=1"),
-    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size"),
+    (dict(expert_tensor_parallel_size=2), "each rank holds 64 of the FFN columns"),
     (dict(activation_func_clamp_value=7.0), "activation_func_clamp_value"),
     (dict(glu_linear_offset=1.0), "glu_linear_offset"),
     (dict(moe_mlp_glu_interleave_size=32), "moe_mlp_glu_interleave_size"),
     (dict(params_dtype=torch.float32), "params_dtype"),
+    (dict(expert_gtp_weight_remat_size=2), "expert_gtp_weight_remat_size"),
+    # Megatron's config leaves expert TP None to mean "as TP": 128 FFN columns over 2 ranks do not fit
+    (dict(expert_tensor_parallel_size=None, tensor_model_parallel_size=2), "expert_tensor_parallel_size=2 ranks"),
     (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
     (dict(overlap_dispatch_backward_with_experts_wgrad=True), "overlap_dispatch_backward_with_experts_wgrad"),
     (dict(hidden_size=200), "hidden_size"),
@@ -107,7 +110,10 @@ def test_experts_follow_megatrons_contract(mode):
     # Transformer Engine's state-dict keys, one per local expert
     assert sorted(experts.state_dict()) == sorted(f"linear_fc{i}.weight{e}" for i in (1, 2) for e in range(4))
     for p in experts.parameters():
-        assert p.allreduce is True and p.tensor_model_parallel is False  # EP = 1: reduced with the dense layers
+        assert p.allreduce is True  # EP = 1 and expert TP = TP: reduced with the dense layers
+    # marked as split over (expert) tensor-parallel ranks, as Megatron's expert linears are at any size
+    assert experts.linear_fc1.weight.tensor_model_parallel and experts.linear_fc1.weight.partition_dim == 1
+    assert experts.linear_fc2.weight.tensor_model_parallel and experts.linear_fc2.weight.partition_dim == 2
 
 
 @pytest.mark.parametrize("probs_on_input", [False, True])
@@ -370,6 +376,96 @@ def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
     assert {k for k in sd if ".experts." in k} == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.{what}{e}"
                                                    for layer in range(2) for i in (1, 2) for e in range(4)
                                                    for what in ("weight", "_extra_state")}
+
+
+def test_expert_tensor_parallel_shards_compute_slices_of_the_whole_experts():
+    """What ETP = 2 computes, on the reference backend: each rank's experts hold a shard of every expert (fc1's gate
+    and up rows r*F/2.., fc2's columns r*F/2..) and see every token of the group (Megatron's dispatcher gathers
+    them). Every shard boundary falls on a 128-block of the FP8 scaling, so each rank's fc1 output columns, their
+    activation and every weight gradient are bit for bit the matching slices of the whole experts' (ETP = 1); the
+    fc2 output and dx are partial sums over F that Megatron's dispatcher adds up across the two ranks (BF16
+    rounding of two partials instead of one sum)."""
+    from megatron_tma import reference as R
+
+    ffn, half = 512, 256
+    whole = megatron_experts(4, make_config(moe_ffn_hidden_size=ffn), backend="reference")
+    _randomize(whole, 51)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.mul_(0.05)
+    x, sizes, probs = _routed(seed=7)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(8)).bfloat16()
+
+    def step(module):
+        xx = x.clone().requires_grad_()
+        out, _ = module(xx, sizes, probs)
+        out.backward(dy)
+        return out.detach(), xx.grad, module.linear_fc1.weight.grad, module.linear_fc2.weight.grad
+
+    out, dx, dw1, dw2 = step(whole)
+    w1, w2 = whole.linear_fc1.weight.detach(), whole.linear_fc2.weight.detach()
+    outs, dxs = [], []
+    for r in range(2):
+        rows = torch.cat([torch.arange(r * half, (r + 1) * half), ffn + torch.arange(r * half, (r + 1) * half)])
+        shard = megatron_experts(4, make_config(moe_ffn_hidden_size=ffn, expert_tensor_parallel_size=2),
+                                 backend="reference")
+        with torch.no_grad():
+            shard.linear_fc1.weight.copy_(w1[:, rows])  # [gate rows of rank r; up rows of rank r]
+            shard.linear_fc2.weight.copy_(w2[:, :, r * half:(r + 1) * half])
+        o, d, g1, g2 = step(shard)
+        assert torch.equal(g1, dw1[:, rows]) and torch.equal(g2, dw2[:, :, r * half:(r + 1) * half]), r
+        outs.append(o.float())
+        dxs.append(d.float())
+    assert R.diff(outs[0] + outs[1], out) < 1e-4 and R.diff(dxs[0] + dxs[1], dx) < 1e-4
+
+
+class _Group:
+    """A process group as Megatron's experts and checkpoint code ask it: its size and this rank's place in it."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+@pytest.mark.parametrize("etp_rank", [0, 1])
+def test_expert_tensor_parallel_shards_are_megatrons(megatron_cpu, etp_rank):
+    """Expert tensor parallelism (ETP = 2), as each of the two ranks sees it: the experts hold Megatron's shard of
+    every expert (fc1's gate and up halves split along their outputs, fc2 along its inputs: the shapes of
+    SequentialMLP's local linears) and write the distributed checkpoint entries SequentialMLP writes on that rank
+    (the same keys, global shapes, offsets, fragmentation, replica ids and data)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
+                            moe_ffn_hidden_size=512, gated_linear_unit=True, activation_func=F.silu,
+                            add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+                            perform_initialization=False, moe_grouped_gemm=True, expert_tensor_parallel_size=2)
+    groups = types.SimpleNamespace(ep=_Group(1, 0), expt_tp=_Group(2, etp_rank), expt_dp=_Group(1, 0), tp=_Group(1, 0))
+    theirs = SequentialMLP(4, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                           pg_collection=groups)
+    ours = megatron_experts(4, cfg, pg_collection=groups, mode="unpadded", backend="reference")
+    assert ours.linear_fc1.weight.shape == (4, 512, 256) and ours.linear_fc2.weight.shape == (4, 256, 256)
+    assert theirs.local_experts[0].linear_fc1.weight.shape == (512, 256)  # 2 x 512 / 2 rows, as ours
+    _randomize(theirs, 41 + etp_rank)
+    ours.load_state_dict({mcore.from_sequential_mlp_key(k): v for k, v in theirs.state_dict().items()
+                          if not k.endswith("_extra_state")})
+    prefix = "decoder.layers.0.mlp.experts."
+    a, b = _expert_shards(theirs.sharded_state_dict(prefix=prefix)), _expert_shards(ours.sharded_state_dict(prefix))
+    assert len(a) == 4 * (3 + 2) and a.keys() == b.keys()  # per expert: gate, up, fc2 shards + two _extra_state
+    for k in a:
+        (shape_a, frag_a, rep_a, data_a), (shape_b, frag_b, rep_b, data_b) = a[k], b[k]
+        assert (shape_a, frag_a, rep_a) == (shape_b, frag_b, rep_b), k
+        assert (data_a is None and data_b is None) or torch.equal(data_a, data_b), k
+    fc2 = next(v for (key, offset), v in b.items() if key.endswith("linear_fc2.weight") and offset[0] == 0)
+    assert fc2[0] == (4, 256, 512) and fc2[1] == (4, 1, 2)  # the whole fc2 of 512 inputs, in two ETP shards
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")

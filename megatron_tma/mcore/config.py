@@ -22,7 +22,7 @@ CONFIG_FLAG = "moe_megatron_tma_experts"
 
 class ExpertMLPArgs(NamedTuple):
     hidden_size: int
-    ffn_hidden_size: int
+    ffn_hidden_size: int  # this rank's share: moe_ffn_hidden_size / expert_tensor_parallel_size
     activation: str  # one of megatron_tma.mlp.ACTIVATIONS
 
 
@@ -61,6 +61,13 @@ def _activation_of(config) -> str:
     )
 
 
+def expert_tensor_parallel_size(config) -> int:
+    """The ranks each expert's FFN is split over: `expert_tensor_parallel_size`, which Megatron's config resolves
+    to `tensor_model_parallel_size` when it is left None."""
+    return int(getattr(config, "expert_tensor_parallel_size", None)
+               or getattr(config, "tensor_model_parallel_size", None) or 1)
+
+
 def expert_mlp_args(config) -> ExpertMLPArgs:
     """The expert MLP a Megatron MoE config describes, or a ValueError naming the unsupported field."""
 
@@ -75,9 +82,6 @@ def expert_mlp_args(config) -> ExpertMLPArgs:
         refuse("moe_latent_size", "latent expert projections are not implemented")
     if getattr(config, "moe_apply_probs_on_input", False) and getattr(config, "moe_router_topk", 1) != 1:
         refuse("moe_router_topk", "moe_apply_probs_on_input=True needs moe_router_topk=1, as Megatron's experts do")
-    if (getattr(config, "expert_tensor_parallel_size", None) or 1) != 1:
-        refuse("expert_tensor_parallel_size", "the experts are not split over tensor-parallel ranks: use 1 "
-               "(expert parallelism, expert_model_parallel_size, is supported)")
     if getattr(config, "activation_func_clamp_value", None) is not None:
         refuse("activation_func_clamp_value", "clamped GLU inputs are not implemented")
     if getattr(config, "glu_linear_offset", 0.0):
@@ -98,4 +102,14 @@ def expert_mlp_args(config) -> ExpertMLPArgs:
                 f"config.{field}={value}: must be a positive multiple of 128 (every FP8 GEMM of the experts "
                 "contracts over the hidden or the expert FFN size in 128-wide scaling blocks)"
             )
-    return ExpertMLPArgs(hidden, int(ffn), _activation_of(config))
+    if (getattr(config, "expert_gtp_weight_remat_size", 1) or 1) > 1:
+        refuse("expert_gtp_weight_remat_size", "expert weights sharded beyond expert tensor parallelism (expert GTP, "
+               "expert_tensor_parallel_num_weight_shards) are not implemented")
+    etp = expert_tensor_parallel_size(config)
+    if ffn % (128 * etp):
+        raise ValueError(
+            f"config.moe_ffn_hidden_size={ffn} over expert_tensor_parallel_size={etp} ranks (config."
+            "expert_tensor_parallel_size, or tensor_model_parallel_size where that is None): each rank holds "
+            f"{ffn / etp:g} of the FFN columns, which must be a multiple of 128 (the FP8 scaling blocks)"
+        )
+    return ExpertMLPArgs(hidden, int(ffn) // etp, _activation_of(config))

@@ -40,7 +40,12 @@ What the Megatron side needs, and where it is done here:
   same bits; the BF16 experts warn that they do not.
 * `moe_apply_probs_on_input` (top-1 only, as Megatron): the probs scale the experts' input instead of the
   activation's output, as Megatron's experts compute it.
-Not implemented (refused with the config field named): biases, expert tensor parallelism > 1, latent projections,
+* Expert tensor parallelism (`expert_tensor_parallel_size` > 1): each rank holds Megatron's shard of every expert
+  (fc1's gate and up rows, fc2's columns; `moe_ffn_hidden_size / ETP` a multiple of 128) and the parameters are
+  marked split (`tensor_model_parallel`, as Megatron's expert linears); Megatron's dispatcher gathers the tokens
+  and adds up the partial outputs. Shards and checkpoint entries equal SequentialMLP's on the CPU; not yet run on
+  GPUs (tests/test_mcore_gpu.py::test_recipe_with_expert_tensor_parallelism, 2 GPUs).
+Not implemented (refused with the config field named): biases, expert GTP weight sharding, latent projections,
 clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
 `overlap_dispatch_backward_with_experts_wgrad`: Megatron would call `backward_dw()`).
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
@@ -54,7 +59,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import warn_if_reference_on_gpu
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
-from .config import expert_mlp_args, pad_to_of
+from .config import expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
 
@@ -77,12 +82,16 @@ class _MegatronExperts:
                 self.linear_fc1.reset_parameters(config.init_method)
                 self.linear_fc2.reset_parameters(config.output_layer_init_method)
         expert_pgs = (getattr(config, "expert_model_parallel_size", 1) or 1) > 1 or (
-            (getattr(config, "expert_tensor_parallel_size", None) or 1)
-            != (getattr(config, "tensor_model_parallel_size", 1) or 1))
-        for param in self.parameters():
-            param.allreduce = not expert_pgs  # Megatron's mark: reduce over the expert-data-parallel group
-            # Not split over tensor-parallel ranks (Megatron's defaults for a replicated parameter).
-            param.tensor_model_parallel, param.partition_dim, param.partition_stride = False, -1, 1
+            expert_tensor_parallel_size(config) != (getattr(config, "tensor_model_parallel_size", 1) or 1))
+        for parallel_dim, linear in ((0, self.linear_fc1), (1, self.linear_fc2)):
+            for param in linear.parameters():
+                param.allreduce = not expert_pgs  # Megatron's mark: reduce over the expert-data-parallel group
+                # Split over the expert-tensor-parallel ranks as Megatron's expert linears are, and marked so at any
+                # size as theirs are (its gradient norm counts a marked parameter on every tensor-parallel rank):
+                # fc1 along its outputs (column parallel), fc2 along its inputs (row parallel); in a stacked
+                # [G, N, K] weight those are dims 1 and 2.
+                param.tensor_model_parallel, param.partition_stride = True, 1
+                param.partition_dim = parallel_dim + param.dim() - 2
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: Optional[torch.Tensor] = None, **kwargs):
