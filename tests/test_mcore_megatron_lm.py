@@ -182,3 +182,18 @@ def _megatron_lm_step(args, mode, state):
     loss.backward()
     grads = {n: p.grad for n, p in gpt.named_parameters() if p.grad is not None}
     return (loss.detach(), grads), state
+
+
+@pytest.mark.parametrize("ffn, message", [("256", None), ("128", "each rank holds 64 of the FFN columns")])
+def test_spec_with_expert_tensor_parallelism(megatron_lm_args, monkeypatch, ffn, message):
+    """`--expert-tensor-parallel-size 2` (validated by Megatron-LM as for 2 ranks): the spec builds when each rank's
+    share of the expert FFN is a multiple of 128, and is refused, naming the sizes, when it is not."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = megatron_lm_args("--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", ffn)
+    config = core_transformer_config_from_args(args)
+    assert config.expert_tensor_parallel_size == 2
+    if message is None:
+        assert len(_moe_experts(mcore.megatron_lm_spec(args, config, "unpadded"))) == 2
+    else:
+        with pytest.raises(ValueError, match=message):
+            mcore.megatron_lm_spec(args, config, "unpadded")
