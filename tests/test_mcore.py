@@ -515,3 +515,28 @@ def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
             assert not megatron_experts(4, make_config(**kw), mode="unpadded", backend="reference").recompute_activation
     with pytest.warns(UserWarning, match="BF16 experts do not implement"):
         megatron_experts(4, make_config(**moe_act), mode="bf16", backend="reference")
+
+
+@pytest.mark.skipif(not __import__("megatron_tma")._ext.cuda_kernels_available(),
+                    reason="needs an sm_90 GPU and the built extension")
+def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():
+    """On the kernels: three warm-up forwards (DDP's flag False, no backward yet) add only their activations to the
+    memory in use, not a W^T copy each (each Function keeps the copy it was given for its dgrad)."""
+    experts = megatron_experts(8, make_config(hidden_size=1024, moe_ffn_hidden_size=512, use_cpu_initialization=False),
+                               backend="cuda")
+    _ddp_weights(experts)
+    for w in experts.parameters():
+        w.main_grad = w.main_grad.cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = torch.tensor([40, 0, 31, 9, 64, 1, 50, 61], device="cuda")
+    x = torch.randn(int(sizes.sum()), 1024, generator=g, device="cuda").bfloat16().requires_grad_()
+    probs = torch.rand(x.shape[0], generator=g, device="cuda")
+    outs = [experts(x, sizes, probs)[0]]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    outs += [experts(x, sizes, probs)[0] for _ in range(2)]
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    qt_bytes = sum(w.numel() for w in experts.parameters())  # one FP8 byte per weight for each W^T copy
+    assert grown < qt_bytes / 2, (grown, qt_bytes)  # two forwards' activations (~1 MB), no 12.6 MB copies
+    sum(o.float().sum() for o in outs).backward()
