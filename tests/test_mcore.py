@@ -218,6 +218,64 @@ def test_fp8_cache_follows_optimizer_steps_for_evaluation():
     assert torch.equal(again, out1)
 
 
+def _ddp_weights(experts):
+    """The experts' weights with the attributes Megatron's DDP gives them, flag reset as at an iteration's start."""
+    weights = list(experts.parameters())
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    return weights
+
+
+def _saved_storages(experts, x, sizes, probs):
+    """(output, the storages the forward saved for backward) of one forward with gradients."""
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _ = experts(x.clone().requires_grad_(), sizes, probs)
+    return out, saved
+
+
+def test_pipeline_warm_up_and_recompute_share_one_fp8_copy(monkeypatch):
+    """A pipeline's warm-up runs several micro-batch forwards before the first backward, and Megatron's `moe` / full
+    recompute runs the forward again inside the backward; DDP's flag is False all that time. The weights cannot have
+    changed then, so the FP8 copies are made once and every micro-batch in flight saves the same ones (re-making them
+    would keep one W^T copy alive per micro-batch). After the iteration (a backward, then DDP's reset), they are
+    made again."""
+    from megatron_tma import quant
+
+    calls = []
+    real = quant.quantize_128x128
+    monkeypatch.setattr(quant, "quantize_128x128", lambda *a, **k: calls.append(1) or real(*a, **k))
+    experts = megatron_experts(4, make_config(), backend="reference")
+    weights = _ddp_weights(experts)
+    x, sizes, probs = _routed()
+    outs = [_saved_storages(experts, x, sizes, probs) for _ in range(3)]  # warm-up: three forwards
+    assert len(calls) == 2  # fc1 and fc2, once
+    shared = outs[0][1] & outs[1][1] & outs[2][1]
+    fp8 = {t.untyped_storage().data_ptr() for lin in (experts.linear_fc1, experts.linear_fc2)
+           for t in lin.weight_cache._value}
+    assert fp8 & shared and len(fp8 & shared) == len(fp8 & outs[0][1])  # the same W^T copies saved by all three
+    with torch.no_grad():  # a recompute's first pass (no autograd), then its forward again in backward
+        experts(x, sizes, probs)
+    out, _ = experts(x.clone().requires_grad_(), sizes, probs)
+    assert len(calls) == 2
+    out.float().sum().backward()  # the first backward: flags True
+    for o, _ in outs:
+        o.float().sum().backward()
+    assert all(w.grad_added_to_main_grad is True for w in weights) and len(calls) == 2
+    experts(x, sizes, probs)  # steady state, same iteration: still the same copies
+    assert len(calls) == 2
+    for w in weights:  # the next iteration: DDP's reset (the weights may have been written through .data)
+        w.grad_added_to_main_grad = False
+    experts(x, sizes, probs)
+    assert len(calls) == 4
+
+
 def test_invalidate_fp8_weights_finds_every_fp8_module():
     model = torch.nn.ModuleList([megatron_experts(4, make_config(), backend="reference"),
                                  megatron_experts(4, make_config(), mode="bf16", backend="reference"),
@@ -553,3 +611,28 @@ def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
             assert not megatron_experts(4, make_config(**kw), mode="unpadded", backend="reference").recompute_activation
     with pytest.warns(UserWarning, match="BF16 experts do not implement"):
         megatron_experts(4, make_config(**moe_act), mode="bf16", backend="reference")
+
+
+@pytest.mark.skipif(not __import__("megatron_tma")._ext.cuda_kernels_available(),
+                    reason="needs an sm_90 GPU and the built extension")
+def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():
+    """On the kernels: three warm-up forwards (DDP's flag False, no backward yet) add only their activations to the
+    memory in use, not a W^T copy each (each Function keeps the copy it was given for its dgrad)."""
+    experts = megatron_experts(8, make_config(hidden_size=1024, moe_ffn_hidden_size=512, use_cpu_initialization=False),
+                               backend="cuda")
+    _ddp_weights(experts)
+    for w in experts.parameters():
+        w.main_grad = w.main_grad.cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sizes = torch.tensor([40, 0, 31, 9, 64, 1, 50, 61], device="cuda")
+    x = torch.randn(int(sizes.sum()), 1024, generator=g, device="cuda").bfloat16().requires_grad_()
+    probs = torch.rand(x.shape[0], generator=g, device="cuda")
+    outs = [experts(x, sizes, probs)[0]]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    outs += [experts(x, sizes, probs)[0] for _ in range(2)]
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    qt_bytes = sum(w.numel() for w in experts.parameters())  # one FP8 byte per weight for each W^T copy
+    assert grown < qt_bytes / 2, (grown, qt_bytes)  # two forwards' activations (~1 MB), no 12.6 MB copies
+    sum(o.float().sum() for o in outs).backward()

@@ -23,10 +23,11 @@ What the Megatron side needs, and where it is done here:
   the parameters view), which no version counter sees, and Megatron sets `is_first_microbatch` only when
   `config.fp8` is set (Transformer Engine's FP8). So the cache here is invalidated by Megatron's own per-iteration
   signal: `DistributedDataParallel.zero_grad_buffer()` resets `grad_added_to_main_grad` to False on every weight at
-  the start of each iteration, and the backward sets it to True. A forward that finds it False re-quantizes (every
-  micro-batch forward before the iteration's first backward, e.g. a pipeline's warm-up or a recompute in backward,
-  re-quantizes too: the same bits again). So does the first forward after any torch optimizer step in the process
-  (a global post-step hook): Megatron's evaluation runs after a step without resetting the flag. Weights without
+  the start of each iteration, and the backward sets it to True. A forward that finds it False after a backward has
+  reached the experts re-quantizes; the other forwards with it False (a pipeline's warm-up micro-batches, a
+  recompute in backward) keep the copies, which all micro-batches in flight then share. So does the first forward
+  after any torch optimizer step in the process (a global post-step hook): Megatron's evaluation runs after a step
+  without resetting the flag. Weights without
   the attribute (no Megatron DDP) rely on the version counter, which PyTorch's optimizers do move;
   `invalidate_fp8_weights(model)` is there for any other update path.
 * Megatron's distributed checkpoint (`sharded_state_dict`): the shards and objects Megatron's own experts write, so
@@ -200,16 +201,28 @@ class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
     """The unpadded FP8 expert MLP (or its padded twin) as Megatron experts; see the module docstring."""
 
     _steps_seen = None  # the optimizer step count at this module's last forward
+    _backward_since_quantized = False  # a backward reached these experts since their FP8 copies were made
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs=None, **kwargs):
+        # The weights may have been written through .data, which no version counter sees, after an optimizer step
+        # (any, since the last forward) or when DDP's per-iteration reset left the flag False after a backward ran
+        # (a new iteration). Forwards with the flag False and no backward since the copies were made -- a
+        # pipeline's warm-up micro-batches, a recompute in backward -- keep them: re-making them there would also
+        # keep one more FP8 copy of the weights alive per micro-batch in flight (each holds its W^T for dgrad).
         stepped = self._steps_seen != _optimizer_steps
         self._steps_seen = _optimizer_steps
-        for linear in (self.linear_fc1, self.linear_fc2):
-            # A new iteration (DDP reset the flag) or an optimizer step since the last forward: the weights may
-            # have been written through .data, which no version counter sees.
-            if stepped or any(getattr(w, "grad_added_to_main_grad", None) is False for w in linear.weights):
-                linear.weight_cache.invalidate()
-        return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
+        reset = self._backward_since_quantized and any(
+            getattr(w, "grad_added_to_main_grad", None) is False for w in self.parameters())
+        if stepped or reset:
+            self.invalidate_weight_cache()
+            self._backward_since_quantized = False
+        out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
+        if out.requires_grad:
+            out.register_hook(self._note_backward)
+        return out, bias
+
+    def _note_backward(self, grad):
+        self._backward_since_quantized = True
 
 
 class MegatronBF16Experts(_MegatronExperts, GroupedBF16MLP):
