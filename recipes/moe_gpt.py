@@ -4,6 +4,7 @@ and check that the unpadded FP8 experts train exactly like their padded twins.
     torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 5 modes x 300 steps
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --etp 2 --out OUT_DIR          # every expert split over 2 GPUs
+    torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --micro-batches 4 --out OUT_DIR   # 2 pipeline stages
 
 Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
 router with its aux loss, the all-to-all token dispatcher), Float16Module, Megatron's DDP with FP32 gradient
@@ -105,10 +106,13 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--ep", type=int, default=None,
-                   help="expert-parallel size (default: the world size over --etp)")
+                   help="expert-parallel size (default: the world size over --etp and --pp)")
     p.add_argument("--etp", type=int, default=1,
                    help="expert tensor-parallel size: every expert's FFN split over this many ranks, which all see "
                         "the group's tokens; Megatron's dispatcher adds up their partial outputs")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline-parallel size: the layers split over this many stages (--layers divisible by it), "
+                        "Megatron's 1F1B schedule (--pp - 1 warm-up micro-batch forwards on the first stage)")
     p.add_argument("--out", default="recipes/results")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--overlap-grad-reduce", action="store_true",
@@ -196,14 +200,16 @@ def build(args, mode):
         expert_tensor_parallel_size=args.etp,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16, init_method_std=0.02,
+        pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
         moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
         **recompute_settings(args),
     )
     setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
     gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                   max_sequence_length=args.seq_len, position_embedding_type="rope").cuda()
+                   max_sequence_length=args.seq_len, position_embedding_type="rope",
+                   pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage()).cuda()
     if mode == "megatron":
         redraw_megatron_experts(gpt, config, args.seed)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce)
@@ -325,9 +331,7 @@ def train(args, mode, rank, batches):
             if rank == 0:
                 print(f"[{mode}] step {step} profile:\n" + profiler.key_averages().table(
                     sort_by="self_device_time_total", row_limit=15, max_name_column_width=60), flush=True)
-        loss = torch.stack([o["lm loss"] for o in out]).mean()
-        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        loss = loss.item() / parallel_state.get_data_parallel_world_size()
+        loss = step_loss(out)
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
         if not ok or not math.isfinite(loss):
@@ -361,7 +365,20 @@ def evaluate(args, model, batches):
                                           num_microbatches=1, seq_length=args.seq_len,
                                           micro_batch_size=args.micro_batch_size, forward_only=True)
     model.train()
-    loss = out[0]["lm loss"].clone()
+    return step_loss(out)
+
+
+def step_loss(out):
+    """The mean micro-batch loss of a schedule's outputs, on every rank: the pipeline's last stage computes it (the
+    schedule returns the losses there only) and sends it to the other stages, then the mean over data-parallel
+    ranks."""
+    if parallel_state.is_pipeline_last_stage():
+        loss = torch.stack([o["lm loss"] for o in out]).mean()
+    else:
+        loss = torch.zeros((), dtype=torch.float32, device="cuda")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     return loss.item() / parallel_state.get_data_parallel_world_size()
 
@@ -384,14 +401,18 @@ def main(argv=None):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    args.ep = args.ep or max(1, world // args.etp)
+    if args.layers % args.pp:
+        raise SystemExit(f"--layers {args.layers} must be divisible by --pp {args.pp}")
+    args.ep = args.ep or max(1, world // (args.etp * args.pp))
     if any(m != "megatron" for m in args.modes) and not cuda_kernels_available():
         # the experts would fall back to the torch reference: right bits, ~10x the step time, nothing to compare
         raise SystemExit(f"megatron_tma's CUDA kernels cannot run here ({extension_error() or 'not an sm_90 GPU'}); "
                          "build the extension with the CuTe/CUTLASS headers on the path (nvidia-cutlass) first")
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep,
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=args.pp,
+                                             expert_model_parallel_size=args.ep,
                                              expert_tensor_parallel_size=args.etp)
-    batches, loss_floor = chain_batches(args, rank)
+    # one data stream per data-parallel rank: the stages of a pipeline must see the same batches
+    batches, loss_floor = chain_batches(args, parallel_state.get_data_parallel_rank())
     runs = {mode: train(args, mode, rank, batches) for mode in args.modes}
     report, failures = summarize(runs)
     if rank == 0:
