@@ -18,16 +18,20 @@ from torch.autograd.function import once_differentiable
 
 from . import _ext
 
-__all__ = ["ACTIVATIONS", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
+__all__ = ["ACTIVATIONS", "GATED", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
            "check_activation_args", "resolve_kernel"]
 
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu")  # index = the kernels' activation id (host/activation.h)
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "geglu")  # index = the kernels' activation id (host/activation.h)
+GATED = ("swiglu", "geglu")  # h = [gate | up]: `[T, 2F]`, act(gate) * up
 
 
 def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "swiglu":
         f = h.shape[1] // 2
         return F.silu(h[:, :f]) * h[:, f:]
+    if activation == "geglu":
+        f = h.shape[1] // 2
+        return F.gelu(h[:, :f]) * h[:, f:]
     if activation == "gelu":
         return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
     return torch.relu(h).square()
@@ -39,6 +43,10 @@ def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> 
         f = h.shape[1] // 2
         gate, up = h[:, :f], h[:, f:]
         return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
+    if activation == "geglu":
+        f = h.shape[1] // 2
+        gate, up = h[:, :f], h[:, f:]
+        return torch.cat([torch.ops.aten.gelu_backward(da * up, gate), da * F.gelu(gate)], dim=1)
     if activation == "gelu":
         return torch.ops.aten.gelu_backward(da, h)
     return da * (2.0 * torch.relu(h))
@@ -127,7 +135,7 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 def _kernel_fits(h: torch.Tensor, activation: str) -> bool:
     """What the CUDA kernel takes: contiguous BF16 h, 16-byte aligned, F a multiple of 8."""
-    f = h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
+    f = h.shape[1] // 2 if activation in GATED else h.shape[1]
     return h.dtype == torch.bfloat16 and h.is_contiguous() and _aligned16(h) and f % 8 == 0
 
 
@@ -137,8 +145,8 @@ def check_activation_args(h: torch.Tensor, probs: Optional[torch.Tensor], activa
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"h must be a 2-D tensor [T, W], got {getattr(h, 'shape', type(h).__name__)}")
-    if activation == "swiglu" and h.shape[1] % 2:
-        raise ValueError(f"swiglu needs h = [gate | up] with an even width, got {list(h.shape)}")
+    if activation in GATED and h.shape[1] % 2:
+        raise ValueError(f"{activation} needs h = [gate | up] with an even width, got {list(h.shape)}")
     if h.shape[1] == 0:
         raise ValueError(f"h must have at least one column per activation output, got {list(h.shape)}")
     if probs is not None and (probs.dim() != 1 or probs.shape[0] != h.shape[0]):
@@ -164,7 +172,7 @@ def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activ
                            backend: str = "auto") -> torch.Tensor:
     """`act(h) * probs[:, None]` (probs None: `act(h)`), computed in FP32 and returned in h's dtype.
 
-    h: `[T, 2F]` for "swiglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
+    h: `[T, 2F]` for "swiglu" / "geglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
     BF16; its gradient comes back in its dtype). Every element is computed on its own and the probs gradient by a
     fixed-order row sum, so a row's results do not depend on the other rows (what the padded twin's bit-exactness
     needs). backend: "auto" runs the CUDA kernel on an sm_90 GPU with the extension built (and a contiguous BF16
@@ -178,7 +186,7 @@ if _ext.has_extension():
 
     @torch.library.register_fake("megatron_tma::act_times_probs_forward")
     def _fake_forward(h, probs, activation):
-        f = h.shape[1] // 2 if activation == 0 else h.shape[1]
+        f = h.shape[1] // 2 if ACTIVATIONS[activation] in GATED else h.shape[1]
         return h.new_empty(h.shape[0], f)
 
     @torch.library.register_fake("megatron_tma::act_times_probs_backward")

@@ -19,7 +19,8 @@ from torch.autograd.function import once_differentiable
 
 from . import quant
 from ._validate import check_same_device
-from .activation import act_times_probs_backward, act_times_probs_forward, check_activation_args, resolve_kernel
+from .activation import (GATED, act_times_probs_backward, act_times_probs_forward, check_activation_args,
+                         resolve_kernel)
 from .autograd import FP8WeightCache, Weights, check_linear_args, linear_backward, linear_forward, quantized_weights
 
 __all__ = ["fp8_activation_grouped_linear"]
@@ -76,7 +77,7 @@ def fp8_activation_grouped_linear(
     functions; h: bf16 `[T, 2F]` (SwiGLU, gate half first) or `[T, F]`, weight `[G, N, F]` (or G `[N, F]`).
     Returns bf16 `[T, N]`, with gradients for h, the probs and the weights."""
     check_activation_args(h, probs, activation)
-    f = h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
+    f = h.shape[1] // 2 if activation in GATED else h.shape[1]
     weights = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)", x_contiguous=False)
     if probs is not None:
         check_same_device(h=h, probs=probs)

@@ -7,8 +7,8 @@ read on the host) and the permuted routing probs `[T]` -- and returns `(out, Non
 
     h = fc1(x)                      FP8 grouped linear, [T, H] -> [T, 2F] (SwiGLU) or [T, F]
     z = act(h) * probs              in FP32 from the BF16 h, rounded once to BF16 (SwiGLU: silu(h[:, :F]) * h[:, F:],
-                                    the gate half first, as Megatron); megatron_tma.activation, one fused CUDA
-                                    kernel each way on Hopper
+                                    GeGLU: gelu(h[:, :F]) * h[:, F:], the gate half first, as Megatron);
+                                    megatron_tma.activation, one fused CUDA kernel each way on Hopper
     out = fc2(z)                    FP8 grouped linear, [T, F] -> [T, H]
 
 Two parameter layouts (`weight_layout`), the two of Megatron's expert modules:
@@ -56,7 +56,7 @@ from torch import nn
 
 from . import _ext
 from ._validate import check_same_device, check_tensor
-from .activation import ACTIVATIONS, activation_times_probs
+from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights
 from .groups import normalize_groups, padded_sizes, sizes_to_offsets
@@ -229,7 +229,7 @@ class _GroupedMLP(nn.Module):
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
         self.num_experts, self.hidden_size, self.ffn_hidden_size = num_experts, hidden_size, ffn_hidden_size
         self.activation = activation
-        fc1_out = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        fc1_out = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
         self.linear_fc1 = linear(num_experts, hidden_size, fc1_out)
         self.linear_fc2 = linear(num_experts, ffn_hidden_size, hidden_size)
 

@@ -19,6 +19,7 @@ rc=$?
 echo "build rc=$rc in $(( $(date +%s) - t0 )) s"
 grep -E "registers|spill|error|C751[4-8]" "$OUT/build.log" | grep -v "^ptxas info    : Compile time" | head -40
 [ $rc -eq 0 ] || { tail -60 "$OUT/build.log"; exit $rc; }
+python3 -m megatron_tma | tail -n +3  # what this build runs (the extension, each GPU, why not)
 timeout 120 python3 scripts/smoke.py 2>&1 | tail -20
 smoke=${PIPESTATUS[0]}
 [ "$smoke" -eq 124 ] && { echo "smoke hung: stopping"; exit 1; }

@@ -4,11 +4,11 @@ import pytest
 import torch
 from _activation64 import act64
 
-from megatron_tma.activation import ACTIVATIONS, activation_times_probs
+from megatron_tma.activation import ACTIVATIONS, GATED, activation_times_probs
 
 
 def inputs(t, f, activation, gen, probs_dtype=torch.float32):
-    w = 2 * f if activation == "swiglu" else f
+    w = 2 * f if activation in GATED else f
     h = (torch.randn(t, w, generator=gen) * 2).bfloat16()
     p = torch.rand(t, generator=gen).to(probs_dtype)
     dz = torch.randn(t, f, generator=gen).bfloat16()

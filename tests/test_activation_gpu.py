@@ -7,7 +7,7 @@ import torch
 from _activation64 import act64
 
 from megatron_tma import _ext
-from megatron_tma.activation import ACTIVATIONS, activation_times_probs
+from megatron_tma.activation import ACTIVATIONS, GATED, activation_times_probs
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 
@@ -16,7 +16,7 @@ DEV = "cuda"
 
 def inputs(t, f, activation, seed, probs_dtype=torch.float32):
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    w = 2 * f if activation == "swiglu" else f
+    w = 2 * f if activation in GATED else f
     h = (torch.randn(t, w, generator=gen, device=DEV) * 3).bfloat16()
     p = torch.rand(t, generator=gen, device=DEV).to(probs_dtype)
     dz = torch.randn(t, f, generator=gen, device=DEV).bfloat16()

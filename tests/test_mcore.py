@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_tma import mcore
+from megatron_tma.activation import GATED
 from megatron_tma.mcore import expert_mlp_args, megatron_experts, pad_to_of
 
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
@@ -33,6 +34,7 @@ def make_config(**kw):
 
 @pytest.mark.parametrize("kw, activation", [
     (dict(gated_linear_unit=True, activation_func=F.silu), "swiglu"),
+    (dict(gated_linear_unit=True, activation_func=F.gelu), "geglu"),
     (dict(gated_linear_unit=False, activation_func=F.gelu), "gelu"),
     (dict(gated_linear_unit=False, activation_func=squared_relu), "squared_relu"),
 ])
@@ -62,7 +64,7 @@ def test_config_ffn_falls_back_to_ffn_hidden_size():
     (dict(overlap_dispatch_backward_with_experts_wgrad=True), "overlap_dispatch_backward_with_experts_wgrad"),
     (dict(hidden_size=200), "hidden_size"),
     (dict(moe_ffn_hidden_size=96), "moe_ffn_hidden_size"),
-    (dict(gated_linear_unit=True, activation_func=F.gelu), "gated_linear_unit=True, activation_func=gelu"),
+    (dict(gated_linear_unit=True, activation_func=F.relu), "gated_linear_unit=True, activation_func=relu"),
     (dict(gated_linear_unit=False, activation_func=F.silu), "gated_linear_unit=False, activation_func=silu"),
 ])
 def test_config_refusals_name_the_field(kw, field):
@@ -324,8 +326,8 @@ def test_spec_switch_replaces_only_the_experts():
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
-@pytest.mark.parametrize("probs_on_input", [False, True])
-def test_experts_compute_megatrons_experts_function(megatron_cpu, probs_on_input):
+@pytest.mark.parametrize("probs_on_input, activation", [(False, "swiglu"), (True, "swiglu"), (False, "geglu")])
+def test_experts_compute_megatrons_experts_function(megatron_cpu, probs_on_input, activation):
     """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts
     compute the same function (SwiGLU with the gate half first, probs after the activation, or on the input with
     `moe_apply_probs_on_input` at top-1): DESIGN.md's diff at BF16 rounding level; the FP8 experts within the FP8
@@ -336,7 +338,8 @@ def test_experts_compute_megatrons_experts_function(megatron_cpu, probs_on_input
 
     cfg = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
                             moe_router_topk=1 if probs_on_input else 2, moe_ffn_hidden_size=256, gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, moe_token_dispatcher_type="allgather",
+                            activation_func=F.silu if activation == "swiglu" else F.gelu, add_bias_linear=False,
+                            moe_token_dispatcher_type="allgather",
                             use_cpu_initialization=True, perform_initialization=False, bf16=True,
                             params_dtype=torch.bfloat16, moe_apply_probs_on_input=probs_on_input,
                             moe_router_pre_softmax=probs_on_input)  # Megatron asks for it at top-1
@@ -370,7 +373,7 @@ def _small_gpt(mode, activation="swiglu"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_moe_experts=4,
-                            moe_router_topk=2, moe_ffn_hidden_size=128, gated_linear_unit=activation == "swiglu",
+                            moe_router_topk=2, moe_ffn_hidden_size=128, gated_linear_unit=activation in GATED,
                             activation_func=F.silu if activation == "swiglu" else F.gelu, add_bias_linear=False,
                             moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
                             perform_initialization=False, bf16=True, params_dtype=torch.bfloat16)
@@ -411,7 +414,7 @@ def _expert_shards(sharded_state_dict):
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "geglu"])
 def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
     """The experts' sharded state dict writes what Megatron's own experts (SequentialMLP) write: the same tensor and
     object keys, global shapes, offsets along the global expert axis, fragmentation, replica ids and data, so that
@@ -424,7 +427,7 @@ def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
     ours.load_state_dict(_weights(theirs))
     a, b = _expert_shards(theirs.sharded_state_dict()), _expert_shards(ours.sharded_state_dict())
     # layers x experts x ((gate, up) or fc1, fc2 weight shards + two _extra_state objects)
-    assert len(a) == 2 * 4 * ((3 if activation == "swiglu" else 2) + 2)
+    assert len(a) == 2 * 4 * ((3 if activation in GATED else 2) + 2)
     assert a.keys() == b.keys()
     for k in a:
         (shape_a, frag_a, rep_a, data_a), (shape_b, frag_b, rep_b, data_b) = a[k], b[k]

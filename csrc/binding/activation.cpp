@@ -15,14 +15,15 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 // Checks h and returns F (outputs per row).
 int64_t check_h(const at::Tensor& h, int64_t activation) {
   TORCH_CHECK_VALUE(activation >= 0 && activation < megatron_tma::kNumActivations,
-                    "activation must be 0 (swiglu), 1 (gelu) or 2 (squared_relu), got ", activation);
+                    "activation must be 0 (swiglu), 1 (gelu), 2 (squared_relu) or 3 (geglu), got ", activation);
   TORCH_CHECK_TYPE(h.scalar_type() == at::kBFloat16, "h must be bfloat16, got ", h.scalar_type());
   TORCH_CHECK_VALUE(h.is_cuda() && h.dim() == 2 && h.is_contiguous() && aligned16(h),
                     "h must be a contiguous, 16-byte aligned [T, W] CUDA tensor");
-  const int64_t w = h.size(1), f = activation == 0 ? w / 2 : w;
-  TORCH_CHECK_VALUE(f > 0 && f % 8 == 0 && (activation != 0 || w % 2 == 0),
-                    "h's width must give a positive multiple of 8 outputs per row (swiglu: 2F, F % 8 == 0), got ",
-                    w);
+  const bool gated = megatron_tma::activation_is_gated(static_cast<int>(activation));
+  const int64_t w = h.size(1), f = gated ? w / 2 : w;
+  TORCH_CHECK_VALUE(f > 0 && f % 8 == 0 && (!gated || w % 2 == 0),
+                    "h's width must give a positive multiple of 8 outputs per row (swiglu, geglu: 2F, F % 8 == 0), "
+                    "got ", w);
   return f;
 }
 

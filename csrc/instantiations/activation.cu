@@ -67,6 +67,7 @@ cudaError_t act_times_probs_forward(int act, const void* h, const float* probs, 
   switch (static_cast<Act>(act)) {
     case Act::kSwiGLU: return launch_forward<Act::kSwiGLU>(p, stream);
     case Act::kGELU: return launch_forward<Act::kGELU>(p, stream);
+    case Act::kGeGLU: return launch_forward<Act::kGeGLU>(p, stream);
     default: return launch_forward<Act::kSquaredReLU>(p, stream);
   }
 }
@@ -81,6 +82,7 @@ cudaError_t act_times_probs_backward(int act, const void* h, const void* dz, con
   switch (static_cast<Act>(act)) {
     case Act::kSwiGLU: return launch_backward<Act::kSwiGLU>(p, stream);
     case Act::kGELU: return launch_backward<Act::kGELU>(p, stream);
+    case Act::kGeGLU: return launch_backward<Act::kGeGLU>(p, stream);
     default: return launch_backward<Act::kSquaredReLU>(p, stream);
   }
 }

@@ -50,12 +50,15 @@ def _activation_of(config) -> str:
     gated = bool(getattr(config, "gated_linear_unit", False))
     if gated and func is torch.nn.functional.silu:
         return "swiglu"
+    if gated and func is torch.nn.functional.gelu:
+        return "geglu"
     if not gated and func is torch.nn.functional.gelu:
         return "gelu"
     if not gated and name == "squared_relu":  # megatron.core.activations.squared_relu
         return "squared_relu"
     raise ValueError(
-        "the FP8 experts implement SwiGLU (gated_linear_unit=True, activation_func=F.silu), GELU "
+        "the FP8 experts implement SwiGLU (gated_linear_unit=True, activation_func=F.silu), GeGLU "
+        "(gated_linear_unit=True, activation_func=F.gelu), GELU "
         "(gated_linear_unit=False, activation_func=F.gelu) and squared ReLU (gated_linear_unit=False, "
         f"activation_func=squared_relu); the config has gated_linear_unit={gated}, activation_func={name}"
     )

@@ -59,6 +59,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import warn_if_reference_on_gpu
+from ..activation import GATED
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
 from .config import expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
@@ -159,7 +160,7 @@ class _MegatronExperts:
                 sub = make_sharded_tensors_for_checkpoint({"weight": weight, "_extra_state": None}, f"{local}{name}.",
                                                           {"weight": tp_axis}, offsets, tp_group=expt_tp,
                                                           dp_cp_group=metadata["dp_cp_group"])
-                if name == "linear_fc1" and self.activation == "swiglu":
+                if name == "linear_fc1" and self.activation in GATED:
                     sub[key] = apply_swiglu_sharded_factory(sub[key], offsets, singleton, tp_group=expt_tp,
                                                             dp_group=metadata["dp_cp_group"])
                 replace_prefix_for_sharding(sub, local, sharded_prefix)

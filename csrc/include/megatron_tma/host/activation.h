@@ -9,8 +9,10 @@
 
 namespace megatron_tma {
 
-// 0: SwiGLU (h = [gate | up], W = 2F), 1: GELU (erf), 2: squared ReLU (W = F). Python: mlp.ACTIVATIONS order.
-constexpr int kNumActivations = 3;
+// 0: SwiGLU (h = [gate | up], W = 2F), 1: GELU (erf), 2: squared ReLU (W = F), 3: GeGLU (GELU-gated, W = 2F).
+// Python: activation.ACTIVATIONS order.
+constexpr int kNumActivations = 4;
+constexpr bool activation_is_gated(int activation) { return activation == 0 || activation == 3; }
 
 // z[t, :] = bf16(act(h[t, :]) * probs[t]) (probs == nullptr: p = 1). h bf16 [rows, W], z bf16 [rows, f],
 // both contiguous and 16-byte aligned; f a positive multiple of 8.

@@ -20,7 +20,11 @@
 namespace megatron_tma {
 namespace activation {
 
-enum class Act : int { kSwiGLU = 0, kGELU = 1, kSquaredReLU = 2 };
+enum class Act : int { kSwiGLU = 0, kGELU = 1, kSquaredReLU = 2, kGeGLU = 3 };
+
+// Gated activations read h = [gate | up] (W = 2F) and multiply act(gate) by up.
+template <Act A>
+inline constexpr bool kIsGated = A == Act::kSwiGLU || A == Act::kGeGLU;
 
 constexpr int kVec = 8;                  // bf16 elements per 16-byte vector
 constexpr int kForwardThreads = 256;
@@ -53,11 +57,13 @@ __device__ __forceinline__ float relu(float x) { return x > 0.0f || x != x ? x :
 // of 1 + erf for negative x (where GELU's outputs are tiny and 1 + erf would keep only a few bits of them).
 __device__ __forceinline__ float gelu_cdf(float x) { return 0.5f * erfcf(x * -0.70710678118654752f); }
 
-// act(h) for one element: x is the gate (SwiGLU) or the input, u the up value (SwiGLU only).
+// act(h) for one element: x is the gate (gated activations) or the input, u the up value (gated only).
 template <Act A>
 __device__ __forceinline__ float act_forward(float x, float u) {
   if constexpr (A == Act::kSwiGLU) {
     return x * sigmoid(x) * u;
+  } else if constexpr (A == Act::kGeGLU) {
+    return x * gelu_cdf(x) * u;
   } else if constexpr (A == Act::kGELU) {
     return x * gelu_cdf(x);
   } else {
@@ -66,7 +72,7 @@ __device__ __forceinline__ float act_forward(float x, float u) {
   }
 }
 
-// The gradient of one element from da = dz * p: dx (gate / input) and du (up, SwiGLU only); a = act(h).
+// The gradient of one element from da = dz * p: dx (gate / input) and du (up, gated only); a = act(h).
 template <Act A>
 __device__ __forceinline__ void act_backward(float x, float u, float da, float& dx, float& du, float& a) {
   if constexpr (A == Act::kSwiGLU) {
@@ -74,6 +80,13 @@ __device__ __forceinline__ void act_backward(float x, float u, float da, float& 
     a = silu * u;
     dx = da * u * s * (1.0f + x * (1.0f - s));
     du = da * silu;
+  } else if constexpr (A == Act::kGeGLU) {
+    const float cdf = gelu_cdf(x);
+    const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
+    const float gelu = x * cdf;
+    a = gelu * u;
+    dx = da * u * (cdf + x * pdf);
+    du = da * gelu;
   } else if constexpr (A == Act::kGELU) {
     const float cdf = gelu_cdf(x);
     const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
@@ -114,7 +127,7 @@ __device__ __forceinline__ uint4 pack(const float (&v)[kVec]) {
 // Grid-stride over the [rows, F / 8] vectors of z.
 template <Act A>
 __global__ void __launch_bounds__(kForwardThreads) act_times_probs_forward_kernel(const ForwardParams p) {
-  constexpr bool kGated = A == Act::kSwiGLU;
+  constexpr bool kGated = kIsGated<A>;
   const int vecs_per_row = p.f / kVec;
   const int64_t w = kGated ? 2 * int64_t(p.f) : p.f;
   const int64_t total = p.rows * vecs_per_row;
@@ -139,7 +152,7 @@ __global__ void __launch_bounds__(kForwardThreads) act_times_probs_forward_kerne
 // One CTA per row (grid-stride over rows).
 template <Act A>
 __global__ void __launch_bounds__(kRowThreads) act_times_probs_backward_kernel(const BackwardParams p) {
-  constexpr bool kGated = A == Act::kSwiGLU;
+  constexpr bool kGated = kIsGated<A>;
   constexpr int kWarps = kRowThreads / 32;
   __shared__ float warp_sums[2][kWarps];
   const int vecs_per_row = p.f / kVec;
