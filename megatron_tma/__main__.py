@@ -28,11 +28,11 @@ def _gpus():
 
 
 def _why_not(capability) -> str:
-    if not _ext.has_extension():
-        return (f"the CUDA extension is not built ({_ext.extension_error()}); reinstall with a CUDA build of torch, "
-                "nvcc and the nvidia-cutlass headers present: pip install nvidia-cutlass==4.2.0.0 && "
-                "pip install --no-build-isolation -e .")
-    return f"the kernels need an sm_90 (Hopper) GPU, this one is sm_{capability[0]}{capability[1]}"
+    why = _ext.why_kernels_cannot_run(capability)
+    if not _ext.has_extension():  # and how to mend it
+        why += ("; reinstall with a CUDA build of torch, nvcc and the nvidia-cutlass headers present: "
+                "pip install nvidia-cutlass==4.2.0.0 && pip install --no-build-isolation -e .")
+    return why
 
 
 def _check(device: str) -> dict:

@@ -98,14 +98,23 @@ def use_cuda(backend: str, device: torch.device) -> bool:
     return ok
 
 
+def why_kernels_cannot_run(capability=None) -> str:
+    """Why the CUDA kernels cannot run here: the extension's import error, or the GPU's architecture (its compute
+    capability, when the caller knows it). One wording for the warning below and `python -m megatron_tma`."""
+    if not has_extension():
+        return f"the CUDA extension is not built ({_EXT_ERROR})"
+    this = f", this one is sm_{capability[0]}{capability[1]}" if capability else ""
+    return f"the kernels need an sm_90 (Hopper) GPU{this}"
+
+
 def warn_if_reference_on_gpu(backend: str, device) -> bool:
     """`backend="auto"` runs the torch reference when the CUDA kernels cannot run. On a GPU that is easy to miss and
     ~10x slower (Megatron recipe, default size: ~1 s per step against ~0.1 s, seen on the H200 when the extension had
     been built without CuTe/CUTLASS headers and so was not built at all), so say it. True when it warned."""
     if backend != "auto" or torch.device(device).type != "cuda" or cuda_kernels_available(device):
         return False
-    why = f"the extension is not built ({_EXT_ERROR})" if _C is None else "the GPU is not an sm_90 (Hopper) GPU"
-    warnings.warn(f"megatron_tma: the CUDA kernels cannot run ({why}); backend='auto' runs the torch reference "
-                  "backend, which is correct but ~10x slower. Pass backend='cuda' to make this an error.",
+    warnings.warn(f"megatron_tma: the CUDA kernels cannot run ({why_kernels_cannot_run()}); backend='auto' runs the "
+                  "torch reference backend, which is correct but ~10x slower. Pass backend='cuda' to make this an "
+                  "error.",
                   RuntimeWarning, stacklevel=3)
     return True

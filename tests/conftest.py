@@ -30,6 +30,17 @@ def groups_format(request):
 
 
 @pytest.fixture
+def one_thread():
+    """ATen's CPU elementwise kernels run SLEEF vector math on the body of each thread's chunk and libm on its
+    tail, and the chunking follows the tensor size; with one thread and rows of multiples of 16 floats every
+    element takes the vector path in both layouts. (CUDA kernels apply one formula to every element.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def debug_checks():
     """Host validation of device group tensors on for one test, then back to the environment's choice."""
     set_debug_checks(True)

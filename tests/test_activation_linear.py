@@ -13,15 +13,6 @@ from megatron_tma.mlp import ACTIVATIONS, GroupedFP8MLP
 G, H, FFN = 4, 256, 128
 
 
-@pytest.fixture
-def one_thread():
-    """As in test_autograd.py: one thread, so that ATen's CPU math takes one code path for every element."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _pair(activation="swiglu", pad_to=None):
     """(the MLP, the same MLP with the activation recomputed), same weights."""
     torch.manual_seed(0)

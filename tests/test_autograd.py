@@ -33,17 +33,6 @@ BF16_TOL = 1e-4
 G, H, FFN = 4, 256, 128
 
 
-@pytest.fixture
-def one_thread():
-    """ATen's CPU elementwise kernels run SLEEF vector math on the body of each thread's chunk and libm on its
-    tail, and the chunking follows the tensor size; with one thread and rows of multiples of 16 floats every
-    element takes the vector path in both layouts. (CUDA kernels apply one formula to every element.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _mlp(activation="swiglu", pad_to=None, pow2=False, seed=0, cls=GroupedFP8MLP, **kw):
     torch.manual_seed(seed)
     if cls is GroupedFP8MLP:
