@@ -138,8 +138,8 @@ def test_empty_and_errors():
     # "auto" falls back to the torch path for what the kernel does not take
     assert activation_times_probs(torch.ones(4, 24, dtype=torch.bfloat16, device=DEV), None, "swiglu").shape == (4, 12)
     ops = _ext.ops()
-    with pytest.raises(ValueError, match="activation must be 0 \\(swiglu\\), 1 \\(gelu\\) or 2"):
-        ops.act_times_probs_forward(torch.zeros(4, 32, dtype=torch.bfloat16, device=DEV), None, 3)
+    with pytest.raises(ValueError, match="activation must be 0 \\(swiglu\\), 1 \\(gelu\\), 2 \\(squared_relu\\) or 3"):
+        ops.act_times_probs_forward(torch.zeros(4, 32, dtype=torch.bfloat16, device=DEV), None, 4)
     with pytest.raises(ValueError, match="the probs gradient needs probs"):
         ops.act_times_probs_backward(torch.zeros(4, 16, dtype=torch.bfloat16, device=DEV),
                                      torch.zeros(4, 32, dtype=torch.bfloat16, device=DEV), None, 0, True)
