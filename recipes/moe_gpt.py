@@ -5,6 +5,8 @@ and check that the unpadded FP8 experts train exactly like their padded twins.
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --etp 2 --out OUT_DIR          # every expert split over 2 GPUs
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --micro-batches 4 --out OUT_DIR   # 2 pipeline stages
+    torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 1 --distributed-optimizer --overlap-grad-reduce \
+        --overlap-param-gather --out OUT_DIR     # experts replicated, their weights sharded by the optimizer
 
 Everything around the experts is Megatron's: GPTModel with the local layer spec (attention, RMSNorm, the top-k
 router with its aux loss, the all-to-all token dispatcher), Float16Module, Megatron's DDP with FP32 gradient
@@ -37,7 +39,8 @@ mode's peak GPU memory (what it allocated beyond what the process held before it
 to `--out` (`--plot RESULT.json` redraws the PNG from a result, on any machine). Refuses to start where
 megatron_tma's CUDA kernels cannot run.
 `--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
-must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full` or `--overlap-grad-reduce`).
+must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full`, `--overlap-grad-reduce` or
+`--overlap-param-gather`).
 
 Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
 cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
@@ -117,6 +120,17 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron DDP's overlapped gradient reduction (its hooks then require a gradient per weight)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: gradients reduce-scattered, each data-parallel rank updates "
+                        "its shard of every parameter (the experts' too, over the expert data-parallel ranks), then "
+                        "the parameters are all-gathered")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="the distributed optimizer's parameter all-gather overlapped with the next forward: each "
+                        "module's forward pre-hook waits for its own parameters' bucket (needs "
+                        "--distributed-optimizer and --overlap-grad-reduce, as in Megatron-LM)")
+    p.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                   help="Megatron DDP's bucket size in elements (default: Megatron's); small buckets make the "
+                        "all-gather wait per module")
     p.add_argument("--nondeterministic", action="store_true",
                    help="leave torch's deterministic algorithms off (at top-k >= 3 Megatron's combine then sums "
                         "with atomics, and modes that should match bit for bit may not)")
@@ -140,7 +154,20 @@ def parse_args(argv=None):
                    help="check that two results (e.g. with and without an option that must not change the numbers) "
                         "trained every mode they share bit for bit: the same initial weights, per-step losses and "
                         "grad norms, and final parameters")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
+        p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+    return args
+
+
+def ddp_settings(args):
+    """The DistributedDataParallelConfig fields of the run's data-parallel options (the optimizer config takes
+    `use_distributed_optimizer` too)."""
+    settings = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+                    use_distributed_optimizer=args.distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
+    if args.ddp_bucket_size is not None:
+        settings["bucket_size"] = args.ddp_bucket_size
+    return settings
 
 
 def recompute_settings(args):
@@ -212,12 +239,13 @@ def build(args, mode):
                    post_process=parallel_state.is_pipeline_last_stage()).cuda()
     if mode == "megatron":
         redraw_megatron_experts(gpt, config, args.seed)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce)
-    model = DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_settings(args)),
+                                    Float16Module(config, gpt))
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True),
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True,
+                        use_distributed_optimizer=args.distributed_optimizer),
         [model])
     return model, optimizer
 
@@ -358,13 +386,18 @@ def train(args, mode, rank, batches):
 
 def evaluate(args, model, batches):
     """The loss of the first batch in evaluation, as Megatron's `evaluate()` computes it: eval mode, the schedule's
-    forward only (no zero_grad_buffer), mean over the data-parallel ranks."""
+    forward only (no zero_grad_buffer), mean over the data-parallel ranks. With the parameter all-gather overlapped,
+    Megatron-LM evaluates with the forward pre-hooks off and the parameters all-gathered first; so does this."""
+    if args.overlap_param_gather:
+        model.disable_forward_pre_hook()  # param_sync=True: a synchronous all-gather of every bucket
     model.eval()
     with torch.no_grad():
         out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=replay(batches), model=[model],
                                           num_microbatches=1, seq_length=args.seq_len,
                                           micro_batch_size=args.micro_batch_size, forward_only=True)
     model.train()
+    if args.overlap_param_gather:
+        model.enable_forward_pre_hook()
     return step_loss(out)
 
 

@@ -137,3 +137,18 @@ def test_recompute_options_are_megatrons_config_fields(recipe):
     assert recipe.recompute_settings(recipe.parse_args(["--recompute-full"]))["recompute_granularity"] == "full"
     with pytest.raises(SystemExit):  # one or the other
         recipe.parse_args(["--recompute-full", "--recompute-modules", "moe"])
+
+
+def test_data_parallel_options_are_megatrons_config_fields(recipe):
+    plain = recipe.ddp_settings(recipe.parse_args([]))
+    assert plain == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+                         overlap_param_gather=False)
+    overlapped = recipe.ddp_settings(recipe.parse_args(["--distributed-optimizer", "--overlap-grad-reduce",
+                                                        "--overlap-param-gather", "--ddp-bucket-size", "100000"]))
+    assert overlapped == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
+                              overlap_param_gather=True, bucket_size=100000)
+    # Megatron-LM's own argument rules: the overlapped all-gather is the distributed optimizer's, after an
+    # overlapped reduce-scatter
+    for missing in (["--overlap-grad-reduce"], ["--distributed-optimizer"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(["--overlap-param-gather", *missing])
