@@ -42,15 +42,17 @@ megatron_tma's CUDA kernels cannot run.
 must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full`, `--overlap-grad-reduce` or
 `--overlap-param-gather`).
 
-Known limit: a finished mode's model stays allocated until the process ends (Megatron's DDP is not freed in-process;
-cause not found). That is harmless at the default size; at DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN
-2048, ~58 GB per model with its Adam states) the third mode runs out of memory on an H200. There, run each mode in
-its own process (`--modes unpadded`, `--modes padded16`, ...) and merge the results with `--compare A.json B.json
-...`, which checks them as one run: the comparisons use per-tensor SHA-256 digests of every rank's weights, so no
-process keeps another's model.
+Memory: each mode's model is freed before the next is built (`release`: Megatron's model sits in reference cycles
+that only Python's cyclic collector frees), and the result records what stayed allocated after each mode
+(`left_allocated_mb`; the first mode leaves library workspaces behind). At DeepSeek-V3-like sizes (hidden 7168, 32
+experts of FFN 2048, ~58 GB per model with its Adam states) one mode per process is still the cleaner measurement
+of each mode's peak memory: run `--modes unpadded`, `--modes padded16`, ... (`scripts/recipe_modes.sh`) and merge
+the results with `--compare A.json B.json ...`, which checks them as one run: the comparisons use per-tensor
+SHA-256 digests of every rank's weights, so no process keeps another's model.
 """
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import math
@@ -330,7 +332,7 @@ def train(args, mode, rank, batches):
     """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
     weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
     torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()  # a finished mode's model stays allocated: count this mode's own bytes
+    mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves library workspaces)
     torch.cuda.reset_peak_memory_stats()
     model, optimizer = build(args, mode)
     steps_counted = mcore_experts._optimizer_steps
@@ -379,9 +381,22 @@ def train(args, mode, rank, batches):
     param_digests = gathered(digests(model.named_parameters()))
     return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
             "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak),
+            "start_allocated_bytes": mem0,
             "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": not args.nondeterministic,
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
             "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted}
+
+
+def release(start_bytes):
+    """Free a finished mode's model before the next one is built; return what stayed allocated beyond what the process
+    held when the mode started (MB, most over ranks). The model is in reference cycles (Megatron's config holds
+    the DDP wrapper's `no_sync`, the modules hold the config), which only the cyclic collector frees, and it may
+    not run on its own before the next mode allocates (without this call, a finished mode's model stayed allocated)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.tensor(float(torch.cuda.memory_allocated() - start_bytes) / 2**20, device="cuda")
+    dist.all_reduce(left, op=dist.ReduceOp.MAX)
+    return float(left)
 
 
 def evaluate(args, model, batches):
@@ -446,7 +461,10 @@ def main(argv=None):
                                              expert_tensor_parallel_size=args.etp)
     # one data stream per data-parallel rank: the stages of a pipeline must see the same batches
     batches, loss_floor = chain_batches(args, parallel_state.get_data_parallel_rank())
-    runs = {mode: train(args, mode, rank, batches) for mode in args.modes}
+    runs = {}
+    for mode in args.modes:
+        runs[mode] = train(args, mode, rank, batches)
+        runs[mode]["left_allocated_mb"] = release(runs[mode].pop("start_allocated_bytes"))
     report, failures = summarize(runs)
     if rank == 0:
         write_results(args, runs, report, failures, world, loss_floor)
@@ -469,6 +487,7 @@ def summarize(runs):
         timed = sorted(times[len(times) // 2:])  # the second half: Megatron's own experts warm up for ~15 steps
         row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
                "ms_per_step_median": timed[len(timed) // 2], "peak_mb": run.get("peak_mb"),
+               "left_allocated_mb": run.get("left_allocated_mb"),
                "same_initial_weights": run["init_digests"] == first["init_digests"]}
         if not row["same_initial_weights"]:
             failures.append(f"{mode} did not start from the first mode's weights (the comparison is void)")
@@ -513,7 +532,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
                                                                                 run["times"]))],
         "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
-                                                 "peak_mb", "eval_loss", "eval_loss_requantized", "eval_exact",
+                                                 "peak_mb", "left_allocated_mb", "eval_loss",
+                                                 "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted")}
                     for m, run in runs.items()},
     }
