@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run recipes/moe_gpt.py once per experts mode, each mode in its own torchrun (a finished mode's Megatron model is
-# not freed in-process, so large models hold at most two modes per process), then check the modes as one run with
+# Run recipes/moe_gpt.py once per experts mode, each mode in its own torchrun (so that each process's peak memory is
+# its mode's alone, and a mode that runs out of memory does not take the others with it), then check the modes as one run with
 # `moe_gpt.py --compare`, which writes the merged JSON and PNG into OUT_DIR. Exit status: the merge's (1 if a
 # bit-exactness or same-init check failed), or 1 if any mode did not leave a result.
 #   usage: bash scripts/recipe_modes.sh OUT_DIR NPROC "MODE [MODE ...]" [recipe args ...]
