@@ -5,6 +5,7 @@ and check that the unpadded FP8 experts train exactly like their padded twins.
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --etp 2 --out OUT_DIR          # every expert split over 2 GPUs
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --micro-batches 4 --out OUT_DIR   # 2 pipeline stages
+    torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --vpp 2 --micro-batches 4 --out OUT_DIR  # interleaved
     torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 1 --distributed-optimizer --overlap-grad-reduce \
         --overlap-param-gather --out OUT_DIR     # experts replicated, their weights sharded by the optimizer
 
@@ -118,6 +119,9 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline-parallel size: the layers split over this many stages (--layers divisible by it), "
                         "Megatron's 1F1B schedule (--pp - 1 warm-up micro-batch forwards on the first stage)")
+    p.add_argument("--vpp", type=int, default=None, metavar="CHUNKS",
+                   help="virtual pipeline stages per pipeline rank (Megatron's interleaved 1F1B: each rank holds "
+                        "CHUNKS model chunks of --layers / (--pp x CHUNKS) layers; needs --pp >= 2)")
     p.add_argument("--out", default="recipes/results")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--overlap-grad-reduce", action="store_true",
@@ -157,6 +161,8 @@ def parse_args(argv=None):
                         "trained every mode they share bit for bit: the same initial weights, per-step losses and "
                         "grad norms, and final parameters")
     args = p.parse_args(argv)
+    if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
+        p.error("--vpp needs --pp >= 2 and at least 1 chunk (Megatron interleaves the chunks of a pipeline)")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     return args
@@ -218,7 +224,8 @@ def replay(batches):
 
 
 def build(args, mode):
-    """Model (GPT + Float16Module + DDP) and optimizer with the experts of `mode`, from the run's seed."""
+    """Model chunks (GPT + Float16Module + DDP: one, or --vpp with interleaving) and the optimizer over them, with
+    the experts of `mode`, from the run's seed."""
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
@@ -230,35 +237,42 @@ def build(args, mode):
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
         moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
         **recompute_settings(args),
     )
     setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                   max_sequence_length=args.seq_len, position_embedding_type="rope",
-                   pre_process=parallel_state.is_pipeline_first_stage(),
-                   post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    gpts = []
+    for vp_stage in range(args.vpp) if args.vpp else [None]:
+        gpts.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                             max_sequence_length=args.seq_len, position_embedding_type="rope",
+                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                             vp_stage=vp_stage).cuda())
     if mode == "megatron":
-        redraw_megatron_experts(gpt, config, args.seed)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_settings(args)),
-                                    Float16Module(config, gpt))
-    config.no_sync_func = model.no_sync
+        redraw_megatron_experts(gpts, config, args.seed)
+    # as Megatron-LM: the chunks after the first keep all their parameters in one bucket
+    models = [DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_settings(args)),
+                                      Float16Module(config, gpt), disable_bucketing=i > 0)
+              for i, gpt in enumerate(gpts)]
+    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True,
                         use_distributed_optimizer=args.distributed_optimizer),
-        [model])
-    return model, optimizer
+        models)
+    return models, optimizer
 
 
-def redraw_megatron_experts(gpt, config, seed):
+def redraw_megatron_experts(gpts, config, seed):
     """Give Megatron's SequentialMLP experts the initial weights megatron_tma's experts draw: from the freshly seeded
-    expert-parallel RNG state, layer by layer, every expert's fc1 then every expert's fc2 (SequentialMLP draws expert
-    by expert). The dense layers are already built; re-seeding only restarts the tracker's streams."""
+    expert-parallel RNG state, chunk by chunk and layer by layer (the order they were built in), every expert's fc1
+    then every expert's fc2 (SequentialMLP draws expert by expert). The dense layers are already built; re-seeding
+    only restarts the tracker's streams."""
     model_parallel_cuda_manual_seed(seed)
     with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-        for layer in gpt.decoder.layers:
+        for layer in (layer for gpt in gpts for layer in gpt.decoder.layers):
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if experts is None:
                 continue
@@ -290,12 +304,29 @@ def experts_against_megatron(gpt, seed):
     return diffs
 
 
-def canonical_weights(model):
-    """(name, tensor) of the model's weights under megatron_tma's state-dict keys (SequentialMLP's per-expert MLPs
-    renamed): what every mode must start from."""
-    for key, value in model.state_dict().items():
-        if isinstance(value, torch.Tensor):
-            yield from_sequential_mlp_key(key) or key, value
+def chunk_prefixes(models):
+    """(name prefix, chunk): no prefix for a single chunk, `chunk<i>.` with virtual pipeline stages."""
+    return [("" if len(models) == 1 else f"chunk{i}.", m) for i, m in enumerate(models)]
+
+
+def canonical_weights(models):
+    """(name, tensor) of the model chunks' weights under megatron_tma's state-dict keys (SequentialMLP's per-expert
+    MLPs renamed): what every mode must start from."""
+    for prefix, model in chunk_prefixes(models):
+        for key, value in model.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                yield prefix + (from_sequential_mlp_key(key) or key), value
+
+
+def named_parameters(models):
+    for prefix, model in chunk_prefixes(models):
+        for name, param in model.named_parameters():
+            yield prefix + name, param
+
+
+def data_iterators(models, batches):
+    """The schedule's data: one iterator, or one per chunk (Megatron's interleaved schedule reads a chunk's own)."""
+    return replay(batches) if len(models) == 1 else [replay(batches) for _ in models]
 
 
 def digests(named_tensors):
@@ -334,11 +365,11 @@ def train(args, mode, rank, batches):
     torch.cuda.synchronize()
     mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves library workspaces)
     torch.cuda.reset_peak_memory_stats()
-    model, optimizer = build(args, mode)
+    models, optimizer = build(args, mode)
     steps_counted = mcore_experts._optimizer_steps
-    init_digests = gathered(digests(canonical_weights(model)))
-    diffs = experts_against_megatron(model.module.module, args.seed) if mode == "megatron" else None
-    data = replay(batches)
+    init_digests = gathered(digests(canonical_weights(models)))
+    diffs = experts_against_megatron(models[0].module.module, args.seed) if mode == "megatron" else None
+    data = data_iterators(models, batches)
     fwd_bwd = get_forward_backward_func()
     losses, grad_norms, times = [], [], []
     for step in range(args.steps):
@@ -349,9 +380,10 @@ def train(args, mode, rank, batches):
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                           torch.profiler.ProfilerActivity.CUDA])
             profiler.__enter__()
-        model.zero_grad_buffer()  # Megatron's per-iteration reset (also the experts' signal to re-quantize)
+        for model in models:
+            model.zero_grad_buffer()  # Megatron's per-iteration reset (also the experts' signal to re-quantize)
         optimizer.zero_grad()
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=[model],
+        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=models,
                       num_microbatches=args.micro_batches, seq_length=args.seq_len,
                       micro_batch_size=args.micro_batch_size, forward_only=False)
         ok, grad_norm, _ = optimizer.step()
@@ -375,10 +407,10 @@ def train(args, mode, rank, batches):
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
     # the stepped weights. Evaluated as is, then again with the FP8 copies forcibly re-made: the same loss.
-    eval_loss = evaluate(args, model, batches)
-    found = invalidate_fp8_weights(model)
-    eval_requantized = evaluate(args, model, batches) if found else eval_loss
-    param_digests = gathered(digests(model.named_parameters()))
+    eval_loss = evaluate(args, models, batches)
+    found = sum(invalidate_fp8_weights(model) for model in models)
+    eval_requantized = evaluate(args, models, batches) if found else eval_loss
+    param_digests = gathered(digests(named_parameters(models)))
     return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
             "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak),
             "start_allocated_bytes": mem0,
@@ -399,20 +431,25 @@ def release(start_bytes):
     return float(left)
 
 
-def evaluate(args, model, batches):
-    """The loss of the first batch in evaluation, as Megatron's `evaluate()` computes it: eval mode, the schedule's
-    forward only (no zero_grad_buffer), mean over the data-parallel ranks. With the parameter all-gather overlapped,
-    Megatron-LM evaluates with the forward pre-hooks off and the parameters all-gathered first; so does this."""
-    if args.overlap_param_gather:
-        model.disable_forward_pre_hook()  # param_sync=True: a synchronous all-gather of every bucket
-    model.eval()
+def evaluate(args, models, batches):
+    """The loss of the first batch (the first --pp batches when interleaving) in evaluation, as Megatron's
+    `evaluate()` computes it: eval mode, the schedule's forward only (no zero_grad_buffer), mean over the
+    data-parallel ranks. With the parameter all-gather overlapped, Megatron-LM evaluates with the forward pre-hooks
+    off and the parameters all-gathered first; so does this."""
+    for model in models:
+        if args.overlap_param_gather:
+            model.disable_forward_pre_hook()  # param_sync=True: a synchronous all-gather of every bucket
+        model.eval()
+    # the interleaved schedule runs micro-batches in groups of --pp (Megatron refuses fewer)
+    micro_batches = args.pp if args.vpp else 1
     with torch.no_grad():
-        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=replay(batches), model=[model],
-                                          num_microbatches=1, seq_length=args.seq_len,
+        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data_iterators(models, batches),
+                                          model=models, num_microbatches=micro_batches, seq_length=args.seq_len,
                                           micro_batch_size=args.micro_batch_size, forward_only=True)
-    model.train()
-    if args.overlap_param_gather:
-        model.enable_forward_pre_hook()
+    for model in models:
+        model.train()
+        if args.overlap_param_gather:
+            model.enable_forward_pre_hook()
     return step_loss(out)
 
 
@@ -449,14 +486,15 @@ def main(argv=None):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if args.layers % args.pp:
-        raise SystemExit(f"--layers {args.layers} must be divisible by --pp {args.pp}")
+    if args.layers % (args.pp * (args.vpp or 1)):
+        raise SystemExit(f"--layers {args.layers} must be divisible by --pp {args.pp} x --vpp {args.vpp or 1}")
     args.ep = args.ep or max(1, world // (args.etp * args.pp))
     if any(m != "megatron" for m in args.modes) and not cuda_kernels_available():
         # the experts would fall back to the torch reference: right bits, ~10x the step time, nothing to compare
         raise SystemExit(f"megatron_tma's CUDA kernels cannot run here ({extension_error() or 'not an sm_90 GPU'}); "
                          "build the extension with the CuTe/CUTLASS headers on the path (nvidia-cutlass) first")
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=args.pp,
+                                             virtual_pipeline_model_parallel_size=args.vpp,
                                              expert_model_parallel_size=args.ep,
                                              expert_tensor_parallel_size=args.etp)
     # one data stream per data-parallel rank: the stages of a pipeline must see the same batches

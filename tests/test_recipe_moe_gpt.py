@@ -152,3 +152,17 @@ def test_data_parallel_options_are_megatrons_config_fields(recipe):
     for missing in (["--overlap-grad-reduce"], ["--distributed-optimizer"]):
         with pytest.raises(SystemExit):
             recipe.parse_args(["--overlap-param-gather", *missing])
+
+
+def test_virtual_pipeline_chunks_are_named_apart(recipe):
+    """With --vpp every chunk's weights get their own prefix, so that digests of two chunks' equally named layers
+    stay apart; a single chunk keeps Megatron's names. --vpp without pipeline stages is refused."""
+    one, two = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert [n for n, _ in recipe.named_parameters([one])] == ["weight", "bias"]
+    assert [n for n, _ in recipe.named_parameters([one, two])] == [
+        "chunk0.weight", "chunk0.bias", "chunk1.weight", "chunk1.bias"]
+    assert [n for n, _ in recipe.canonical_weights([one, two])][2:] == ["chunk1.weight", "chunk1.bias"]
+    assert recipe.parse_args(["--pp", "2", "--vpp", "2"]).vpp == 2
+    for bad in (["--vpp", "2"], ["--pp", "2", "--vpp", "0"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(bad)
