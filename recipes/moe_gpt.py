@@ -45,7 +45,8 @@ must not change the numbers, such as `--recompute-modules moe_act`, `--recompute
 
 Memory: each mode's model is freed before the next is built (`release`: Megatron's model sits in reference cycles
 that only Python's cyclic collector frees), and the result records what stayed allocated after each mode
-(`left_allocated_mb`; the first mode leaves library workspaces behind). At DeepSeek-V3-like sizes (hidden 7168, 32
+(`left_allocated_mb`; the first mode leaves library workspaces and Megatron's global buffer for the local
+attention's scores behind). At DeepSeek-V3-like sizes (hidden 7168, 32
 experts of FFN 2048, ~58 GB per model with its Adam states) one mode per process is still the cleaner measurement
 of each mode's peak memory: run `--modes unpadded`, `--modes padded16`, ... (`scripts/recipe_modes.sh`) and merge
 the results with `--compare A.json B.json ...`, which checks them as one run: the comparisons use per-tensor
@@ -363,7 +364,7 @@ def train(args, mode, rank, batches):
     """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
     weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
     torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves library workspaces)
+    mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves workspaces and buffers)
     torch.cuda.reset_peak_memory_stats()
     models, optimizer = build(args, mode)
     steps_counted = mcore_experts._optimizer_steps

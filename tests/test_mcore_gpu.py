@@ -130,8 +130,8 @@ def test_recipe_with_distributed_optimizer_and_overlapped_param_gather(tmp_path)
 
 def test_recipe_frees_each_modes_model_before_the_next(tmp_path):
     """A finished mode's model (DDP wrapper and buffers, GPTModel, FP8 weight copies, optimizer states: over 100 MB
-    here) is freed before the next mode is built. The first mode leaves library workspaces behind (cuBLAS's, ...);
-    after it, nothing more stays allocated."""
+    here) is freed before the next mode is built. The first mode leaves library workspaces (cuBLAS's, ...) and
+    Megatron's global buffer for the local attention's scores behind; after it, nothing more stays allocated."""
     _, result = _recipe(tmp_path, "--steps", "2", "--expert-ffn", "1024", "--modes", "unpadded", "padded16", "bf16")
     summary = result["summary"]
     assert all(row["peak_mb"] > 100 for row in summary.values()), summary  # what a kept model would leave
