@@ -46,11 +46,11 @@ must not change the numbers, such as `--recompute-modules moe_act`, `--recompute
 Memory: each mode's model is freed before the next is built (`release`: Megatron's model sits in reference cycles
 that only Python's cyclic collector frees), and the result records what stayed allocated after each mode
 (`left_allocated_mb`; the first mode leaves library workspaces and Megatron's global buffer for the local
-attention's scores behind). At DeepSeek-V3-like sizes (hidden 7168, 32
-experts of FFN 2048, ~58 GB per model with its Adam states) one mode per process is still the cleaner measurement
-of each mode's peak memory: run `--modes unpadded`, `--modes padded16`, ... (`scripts/recipe_modes.sh`) and merge
-the results with `--compare A.json B.json ...`, which checks them as one run: the comparisons use per-tensor
-SHA-256 digests of every rank's weights, so no process keeps another's model.
+attention's scores behind). At DeepSeek-V3-like sizes (hidden 7168, 32 experts of FFN 2048, ~58 GB per model with
+its Adam states) one mode per process is still the cleaner measurement of each mode's peak memory: run `--modes
+unpadded`, `--modes padded16`, ... (`scripts/recipe_modes.sh`) and merge the results with `--compare A.json B.json
+...`, which checks them as one run: the comparisons use per-tensor SHA-256 digests of every rank's weights, so no
+process keeps another's model.
 """
 import argparse
 import datetime
@@ -173,7 +173,8 @@ def ddp_settings(args):
     """The DistributedDataParallelConfig fields of the run's data-parallel options (the optimizer config takes
     `use_distributed_optimizer` too)."""
     settings = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
-                    use_distributed_optimizer=args.distributed_optimizer, overlap_param_gather=args.overlap_param_gather)
+                    use_distributed_optimizer=args.distributed_optimizer,
+                    overlap_param_gather=args.overlap_param_gather)
     if args.ddp_bucket_size is not None:
         settings["bucket_size"] = args.ddp_bucket_size
     return settings
@@ -245,12 +246,12 @@ def build(args, mode):
     setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
     spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
     gpts = []
-    for vp_stage in range(args.vpp) if args.vpp else [None]:
+    for vp in range(args.vpp) if args.vpp else [None]:
         gpts.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
                              max_sequence_length=args.seq_len, position_embedding_type="rope",
-                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             vp_stage=vp_stage).cuda())
+                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                             vp_stage=vp).cuda())
     if mode == "megatron":
         redraw_megatron_experts(gpts, config, args.seed)
     # as Megatron-LM: the chunks after the first keep all their parameters in one bucket

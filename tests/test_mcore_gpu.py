@@ -107,7 +107,8 @@ def test_recipe_with_interleaved_pipeline(tmp_path):
     assert all("eval_loss" in row for row in summary.values())
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a distributed optimizer over 2 data-parallel ranks needs 2 GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="a distributed optimizer over 2 data-parallel ranks needs 2 GPUs")
 def test_recipe_with_distributed_optimizer_and_overlapped_param_gather(tmp_path):
     """Megatron's distributed optimizer over 2 data-parallel ranks with the experts replicated (EP = 1): each rank
     updates half of every expert weight and all-gathers the other half. Unpadded == padded16 bit for bit; and with
