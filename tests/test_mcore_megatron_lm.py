@@ -77,7 +77,7 @@ def test_spec_is_megatron_lms_block_spec_with_megatron_tma_experts(megatron_lm_a
     ({}, {}, "fp8", "MODE must be one of"),
     ({"num_experts": None}, {}, "unpadded", "need an MoE model"),
     ({"add_bias_linear": True}, {"add_bias_linear": True}, "unpadded", "add_bias_linear"),
-    ({"virtual_pipeline_model_parallel_size": 2}, {}, "unpadded", "virtual pipeline"),
+    ({"virtual_pipeline_model_parallel_size": 2}, {"moe_layer_freq": [0, 1]}, "unpadded", "--moe-layer-freq"),
 ])
 def test_spec_refusals_name_the_argument(megatron_lm_args, args_change, config_change, mode, message):
     args = megatron_lm_args()
@@ -86,6 +86,29 @@ def test_spec_refusals_name_the_argument(megatron_lm_args, args_change, config_c
     vars(config).update(config_change)
     with pytest.raises(ValueError, match=message):
         mcore.megatron_lm_spec(args, config, mode)
+
+
+def test_spec_with_virtual_pipeline_stages_is_a_layer_spec(megatron_lm_args, monkeypatch):
+    """With virtual pipeline stages the builder's block spec depends on the model chunk, and `--spec` gives one
+    object: a layer spec (every layer the same), which TransformerBlock repeats for each chunk's own layers, with the
+    final norm the builder's block spec names. Refused where it would not build what the builder builds."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    args = megatron_lm_args()
+    config = core_transformer_config_from_args(args)
+    args.virtual_pipeline_model_parallel_size = 2  # after Megatron-LM's validation, which needs 2+ pipeline ranks
+    spec = mcore.megatron_lm_spec(args, config, "padded16")
+    assert spec.module is TransformerLayer
+    assert spec.submodules.mlp.keywords["submodules"].experts.keywords["mode"] == "padded16"
+    theirs = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")[0]
+    for name in ("input_layernorm", "self_attention", "pre_mlp_layernorm"):  # all but the experts are the builder's
+        assert getattr(spec.submodules, name) == getattr(theirs.submodules, name)
+    assert spec.submodules.mlp.keywords["submodules"].router == theirs.submodules.mlp.keywords["submodules"].router
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", type("OtherNorm", (), {}))
+    with pytest.raises(ValueError, match="final norm OtherNorm"):
+        mcore.megatron_lm_spec(args, config, "padded16")
 
 
 def test_spec_flag_through_megatron_lms_importer_builds_trainable_experts(megatron_lm_args):

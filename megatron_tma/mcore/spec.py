@@ -75,7 +75,8 @@ def megatron_lm_spec(args, config, mode: str, backend: str = "auto"):
     `args` (the decoder block spec, with Transformer Engine or local modules per `--transformer-impl`), with
     megatron_tma's experts in `mode`; `config` is `core_transformer_config_from_args(args)`. What `--spec
     megatron_tma.mcore.megatron_lm MODE` hands Megatron-LM. Refuses what that builder would build differently, and
-    the expert settings megatron_tma does not implement, with the argument named, before any layer is built."""
+    the expert settings megatron_tma does not implement, with the argument named, before any layer is built. With
+    virtual pipeline stages it hands a layer spec instead (see `_uniform_layer_spec`)."""
     if mode not in MODES:
         raise ValueError(f"--spec megatron_tma.mcore.megatron_lm MODE: MODE must be one of {', '.join(MODES)}, "
                          f"got {mode!r}")
@@ -84,14 +85,39 @@ def megatron_lm_spec(args, config, mode: str, backend: str = "auto"):
     if getattr(args, "experimental_attention_variant", None) is not None:
         raise ValueError("--experimental-attention-variant builds another block spec; not supported with "
                          "megatron_tma's experts")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-        raise ValueError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage) need one spec per stage, "
-                         "and Megatron-LM's --spec gives one; not supported with megatron_tma's experts")
     if getattr(args, "transformer_impl", None) == "inference_optimized":
         raise ValueError("--transformer-impl inference_optimized has no MoE block spec in Megatron-LM")
     expert_mlp_args(config)  # the refusals (biases, expert TP, ...) now, naming the field
+    use_te = args.transformer_impl == "transformer_engine"
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+        return use_megatron_tma_experts(_uniform_layer_spec(config, use_te, args), mode, backend)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    base = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
-                                      normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+    base = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                      qk_l2_norm=args.qk_l2_norm)
     return use_megatron_tma_experts(base, mode, backend)
+
+
+def _uniform_layer_spec(config, use_te: bool, args):
+    """With virtual pipeline stages Megatron-LM's builder makes one block spec per model chunk (its layers depend on
+    the chunk), while `--spec` hands it one object. A layer spec is what works for every chunk: TransformerBlock
+    repeats it for the chunk's own layers. It builds what the builder would when every layer has the same spec and
+    TransformerBlock's final norm for a layer spec is the one the builder's block spec names; anything else is
+    refused, naming why."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+
+    if getattr(config, "pipeline_model_parallel_layout", None) is not None:
+        raise ValueError("virtual pipeline stages with --pipeline-model-parallel-layout need one block spec per "
+                         "stage, and Megatron-LM's --spec gives one; not supported with megatron_tma's experts")
+    layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
+                                                         normalization=args.normalization, qk_l2_norm=args.qk_l2_norm)
+    if any(layer is not layers[0] for layer in layers):
+        raise ValueError("virtual pipeline stages with dense and MoE layers mixed (--moe-layer-freq) need one block "
+                         "spec per stage, and Megatron-LM's --spec gives one; not supported with megatron_tma's experts")
+    builders_norm = gpt_layer_specs.TENorm if use_te else gpt_layer_specs.LNImpl
+    if builders_norm is not transformer_block.LayerNormImpl:
+        raise ValueError(f"virtual pipeline stages: a layer spec would give the final norm "
+                         f"{transformer_block.LayerNormImpl.__name__}, Megatron-LM's builder {builders_norm.__name__} "
+                         f"(--transformer-impl {args.transformer_impl}); not supported with megatron_tma's experts")
+    return layers[0]
