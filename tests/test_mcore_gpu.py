@@ -61,17 +61,24 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         assert run.returncode == 0 and run.stdout.count("the same bits") == 2, (name, run.stdout + run.stderr)
 
 
+def _check_parallel_run(summary):
+    """The checks of a parallel recipe run of modes unpadded, padded16 and megatron: the same initial weights in
+    every mode, unpadded == padded16 bit for bit, megatron_tma's experts computing Megatron's experts' function, and
+    an evaluation after the last step in every mode (the recipe fails itself if it ran on stale FP8 copies)."""
+    assert all(row["same_initial_weights"] for row in summary.values())
+    assert summary["padded16"]["bitexact_losses"] and summary["padded16"]["bitexact_params"]
+    diffs = summary["megatron"]["experts_diff_vs_megatron"]
+    assert 0 <= diffs["bf16"] < 1e-4 and 0 < diffs["unpadded"] < 3e-3, diffs
+    assert all("eval_loss" in row for row in summary.values())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="expert tensor parallelism over 2 GPUs needs 2 GPUs")
 def test_recipe_with_expert_tensor_parallelism(tmp_path):
     """Every expert split over 2 GPUs (ETP = 2; Megatron's dispatcher gathers the tokens and adds up the partial
     outputs): unpadded == padded16 bit for bit, the same initial weights as Megatron's own experts at ETP = 2, and
     megatron_tma's experts compute their function (the first layer's shards on the same routed tokens)."""
     _, result = _recipe(tmp_path, "--steps", "8", "--etp", "2", "--modes", "unpadded", "padded16", "megatron", gpus=2)
-    summary = result["summary"]
-    assert all(row["same_initial_weights"] for row in summary.values())
-    assert summary["padded16"]["bitexact_losses"] and summary["padded16"]["bitexact_params"]
-    diffs = summary["megatron"]["experts_diff_vs_megatron"]
-    assert 0 <= diffs["bf16"] < 1e-4 and 0 < diffs["unpadded"] < 3e-3, diffs
+    _check_parallel_run(result["summary"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages need 2 GPUs")
@@ -82,12 +89,7 @@ def test_recipe_with_pipeline_parallelism(tmp_path):
     each stage, and the evaluation after the last step runs on the stepped weights."""
     _, result = _recipe(tmp_path, "--steps", "8", "--pp", "2", "--micro-batches", "4", "--modes", "unpadded",
                         "padded16", "megatron", gpus=2)
-    summary = result["summary"]
-    assert all(row["same_initial_weights"] for row in summary.values())
-    assert summary["padded16"]["bitexact_losses"] and summary["padded16"]["bitexact_params"]
-    diffs = summary["megatron"]["experts_diff_vs_megatron"]
-    assert 0 <= diffs["bf16"] < 1e-4 and 0 < diffs["unpadded"] < 3e-3, diffs
-    assert all("eval_loss" in row for row in summary.values())
+    _check_parallel_run(result["summary"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two pipeline stages need 2 GPUs")
@@ -99,12 +101,7 @@ def test_recipe_with_interleaved_pipeline(tmp_path):
     the last step runs on the stepped weights."""
     _, result = _recipe(tmp_path, "--steps", "8", "--layers", "4", "--pp", "2", "--vpp", "2", "--micro-batches", "4",
                         "--modes", "unpadded", "padded16", "megatron", gpus=2)
-    summary = result["summary"]
-    assert all(row["same_initial_weights"] for row in summary.values())
-    assert summary["padded16"]["bitexact_losses"] and summary["padded16"]["bitexact_params"]
-    diffs = summary["megatron"]["experts_diff_vs_megatron"]
-    assert 0 <= diffs["bf16"] < 1e-4 and 0 < diffs["unpadded"] < 3e-3, diffs
-    assert all("eval_loss" in row for row in summary.values())
+    _check_parallel_run(result["summary"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
