@@ -130,8 +130,9 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"benchmark": "recompute_activation", "commit": common.git_commit(),
                        "gpu": torch.cuda.get_device_name(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": "python benchmarks/recompute_activation.py", "rows": rows,
-                       "summary": summary}, f, indent=1)
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "command": "python benchmarks/recompute_activation.py", "rows": rows, "summary": summary},
+                      f, indent=1)
         with open(args.out) as f:
             plot(json.load(f), args.out[:-len(".json")] + ".png")
 

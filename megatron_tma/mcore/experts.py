@@ -44,8 +44,8 @@ What the Megatron side needs, and where it is done here:
 * Expert tensor parallelism (`expert_tensor_parallel_size` > 1): each rank holds Megatron's shard of every expert
   (fc1's gate and up rows, fc2's columns; `moe_ffn_hidden_size / ETP` a multiple of 128) and the parameters are
   marked split (`tensor_model_parallel`, as Megatron's expert linears); Megatron's dispatcher gathers the tokens
-  and adds up the partial outputs. Shards and checkpoint entries equal SequentialMLP's on the CPU; not yet run on
-  GPUs (tests/test_mcore_gpu.py::test_recipe_with_expert_tensor_parallelism, 2 GPUs).
+  and adds up the partial outputs. Shards and checkpoint entries equal SequentialMLP's on the CPU; on two H200s
+  the recipe at ETP = 2 trains unpadded == padded16 (tests/test_mcore_gpu.py, expert tensor parallelism test).
 Not implemented (refused with the config field named): biases, expert GTP weight sharding, latent projections,
 clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
 `overlap_dispatch_backward_with_experts_wgrad`: Megatron would call `backward_dw()`).
