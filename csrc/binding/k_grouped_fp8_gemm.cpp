@@ -4,19 +4,19 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
+
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
 
 namespace {
 
 void check_token_major(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat8_e4m3fn && t.dim() == 2, name,
-              " must be a 2-D float8_e4m3fn CUDA tensor [rows, M_total]");
-  // No tokens (an expert-parallel rank that received none): torch gives an empty [rows, 0] tensor strides (1, 1),
-  // and there is nothing to read; the op then only zeroes `out` (or leaves C unchanged).
-  TORCH_CHECK(t.size(1) == 0 ||
-                  (t.stride(1) == 1 && t.stride(0) % 16 == 0 && t.stride(0) >= t.size(1) && t.stride(0) <= t.size(1) + 15),
-              name, " must be token-contiguous with a row pitch in [M_total, M_total + 15] that is a multiple of 16 "
-              "(as returned by quantize_grouped_128x1), got strides ", t.strides());
+              " must be a 2-D float8_e4m3fn CUDA tensor [rows, P]");
+  TORCH_CHECK(t.size(0) > 0 && t.size(1) >= 16 && t.size(1) % 16 == 0 && t.stride(1) == 1 && t.stride(0) % 16 == 0 &&
+                  t.stride(0) >= t.size(1),
+              name, " must be the token-contiguous [rows, P] operand of quantize_grouped_128x1 (P a positive multiple "
+              "of 16, row pitch a multiple of 16 and >= P), got shape ", t.sizes(), " and strides ", t.strides());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
@@ -25,46 +25,45 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
                             bool accumulate) {
   check_token_major(dy_t, "dy_t");
   check_token_major(x_t, "x_t");
-  const int64_t N = dy_t.size(0), M = dy_t.size(1), K = x_t.size(0);
-  TORCH_CHECK(x_t.size(1) == M && (M == 0 || x_t.stride(0) == dy_t.stride(0)), "dy_t and x_t must cover the same tokens with the same pitch");
+  const int64_t N = dy_t.size(0), P = dy_t.size(1), K = x_t.size(0);
+  TORCH_CHECK(x_t.size(1) == P && x_t.stride(0) == dy_t.stride(0), "dy_t and x_t must have the same columns and pitch");
   TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 && out.size(1) == N && out.size(2) == K &&
                   (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
               "out must be a contiguous FP32 or BF16 [G, N, K] tensor");
   TORCH_CHECK(!accumulate || out.scalar_type() == at::kFloat, "accumulate=True needs an FP32 out");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % (2 * out.element_size()) == 0, "out must be ",
-              2 * out.element_size(), "-byte aligned (elements are stored in pairs)");
-  const int64_t G = out.size(0), MB = M / 128 + G;
+  const int64_t G = out.size(0);
   TORCH_CHECK(G >= 1 && G <= megatron_tma::k_grouped_fp8_gemm_max_groups(), "G must be in [1, ",
               megatron_tma::k_grouped_fp8_gemm_max_groups(), "], got ", G);
-  TORCH_CHECK(N > 0 && K > 0 && N % 16 == 0 && K % 16 == 0, "N and K must be positive multiples of 16");
+  TORCH_CHECK(N % 16 == 0 && K % 16 == 0, "N and K must be positive multiples of 16");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dy_t_scales, &x_t, &x_t_scales, &groups, &out})
     TORCH_CHECK(t->device() == dy_t.device(), "all tensors must be on one device (", dy_t.device(), " and ",
                 t->device(), ")");
+  const int64_t MB = dy_t_scales.dim() == 2 ? dy_t_scales.size(0) : -1;
   for (auto* s : {&dy_t_scales, &x_t_scales}) {
-    TORCH_CHECK(s->is_cuda() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == MB,
-                "token-block scales must be contiguous FP32 [M_total/128 + G, rows]");
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == MB && MB >= G,
+                "token-block scales must be contiguous FP32 [M_total // 128 + G, rows]");
   }
   TORCH_CHECK(dy_t_scales.size(1) == N && x_t_scales.size(1) == K, "scale widths must be N and K");
+  TORCH_CHECK(P >= 16 * G + 128 * (MB - G), "the operands' ", P, " columns cannot hold M_total >= ", 128 * (MB - G),
+              " tokens of ", G, " groups starting on 16-token boundaries (P = round_up(M_total, 16) + 16 G, as "
+              "quantize_grouped_128x1 allocates)");
   TORCH_CHECK(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous() &&
                   (groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong) &&
                   (groups.numel() == G || groups.numel() == G + 1),
               "groups must be a contiguous int32/int64 CUDA tensor of G sizes or G+1 offsets");
+  TORCH_CHECK(P <= INT32_MAX && dy_t.stride(0) <= INT32_MAX && MB <= INT32_MAX, "too many tokens");
   c10::cuda::CUDAGuard guard(dy_t.device());
-  if (M == 0) {  // no tokens: every group is empty
-    if (!accumulate) out.zero_();
-    return;
-  }
   megatron_tma::KGroupedGemmArgs args{};
   args.a = dy_t.data_ptr();
   args.a_scales = dy_t_scales.data_ptr<float>();
   args.b = x_t.data_ptr();
   args.b_scales = x_t_scales.data_ptr<float>();
+  args.p_tokens = static_cast<int>(P);
   args.pitch = static_cast<int>(dy_t.stride(0));
   args.num_blocks_max = static_cast<int>(MB);
   args.d = out.data_ptr();
   args.out_bf16 = out.scalar_type() == at::kBFloat16;
   args.accumulate = accumulate;
-  args.m_total = static_cast<int>(M);
   args.n = static_cast<int>(N);
   args.k = static_cast<int>(K);
   args.groups = {groups.data_ptr(), static_cast<int>(G), groups.scalar_type() == at::kLong ? 1 : 0,

@@ -1,20 +1,16 @@
-// Host launcher and instantiation of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh).
+// Host launcher and instantiations of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh): one
+// kernel, instantiated per output kind (BF16, FP32, FP32 accumulate).
 #include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
-#include "megatron_tma/kernels/k_grouped_aligned_fp8_gemm.cuh"
 #include "megatron_tma/kernels/k_grouped_fp8_gemm.cuh"
-
-#include <cstdlib>
 
 namespace megatron_tma {
 namespace {
-using Config = KGroupedGemmConfig</*STAGES=*/3>;
-using AlignedConfig = KGroupedAlignedConfig</*STAGES=*/5>;
 
-cudaError_t encode_token_major(CUtensorMap* map, const void* base, int m_total, int rows, int pitch) {
-  const uint64_t dims[2] = {(uint64_t)m_total, (uint64_t)rows};
+cudaError_t encode_token_major(CUtensorMap* map, const void* base, int p_tokens, int rows, int pitch) {
+  const uint64_t dims[2] = {(uint64_t)p_tokens, (uint64_t)rows};
   const uint64_t strides[1] = {(uint64_t)pitch};
-  const uint32_t box[2] = {128, 128};  // one aligned 128-token chunk of 128 rows (realigned in shared memory)
+  const uint32_t box[2] = {128, 128};  // one 128-token block of 128 rows, loaded from a 16-aligned column
   return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
@@ -24,73 +20,46 @@ cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, i
   const uint32_t box[2] = {128, 1};
   return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
-// EXPERIMENT (issue 4): MEGATRON_TMA_KGROUPED_ALIGNED16=1 runs kernels/k_grouped_aligned_fp8_gemm.cuh for BF16
-// outputs. It is only correct when every group starts at a multiple of 16 tokens, which nothing here checks:
-// DESIGN.md's layout does not promise it (benchmarks/kgrouped_aligned_bound.py and the aligned GPU test set it up).
-bool aligned16_requested() {
-  const char* e = std::getenv("MEGATRON_TMA_KGROUPED_ALIGNED16");
-  return e != nullptr && e[0] == '1';
-}
 
-cudaError_t launch_aligned16(const KGroupedGemmArgs& args, cudaStream_t stream) {
-  const int G = args.groups.num_groups;
-  KGroupedAlignedParams p{};
+template <KGroupedOut kOut>
+cudaError_t launch(const KGroupedGemmParams& p, cudaStream_t stream) {
+  using Config = KGroupedGemmConfig<kOut>;
+  auto kernel = k_grouped_fp8_gemm_kernel<Config>;
+  const size_t smem = Config::smem_bytes(p.groups.num_groups);
   cudaError_t err;
-  if ((err = encode_token_major(&p.a, args.a, args.m_total, args.n, args.pitch)) != cudaSuccess) return err;
-  if ((err = encode_token_major(&p.b, args.b, args.m_total, args.k, args.pitch)) != cudaSuccess) return err;
-  if ((err = encode_block_scales(&p.a_scales, args.a_scales, args.n, args.num_blocks_max)) != cudaSuccess) return err;
-  if ((err = encode_block_scales(&p.b_scales, args.b_scales, args.k, args.num_blocks_max)) != cudaSuccess) return err;
-  for (int k = 0; k < kAlignedStorePool; ++k) {
-    const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
-    const uint64_t strides[2] = {(uint64_t)args.k * 2, (uint64_t)args.n * args.k * 2};
-    const uint32_t box[3] = {64, 1u << k, 1};
-    if ((err = encode_tma(&p.d_pool[k], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, args.d, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
-      return err;
-  }
-  p.groups = args.groups;
-  p.m_total = args.m_total;
-  p.n = args.n;
-  p.k = args.k;
-  auto kernel = k_grouped_aligned_fp8_gemm_kernel<AlignedConfig>;
-  const size_t smem = AlignedConfig::smem_bytes(G);
-  if ((err = ensure_smem_limit<AlignedConfig>(kernel, smem)) != cudaSuccess) return err;
-  static const int num_sms = sm_count();
-  const long long tiles = static_cast<long long>(G) * ((args.n + 127) / 128) * ((args.k + 127) / 128);
+  if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
+  const int num_sms = sm_count();
+  const long long tiles =
+      static_cast<long long>(p.groups.num_groups) * ((p.n + Config::BLOCK_M - 1) / Config::BLOCK_M) *
+      ((p.k + Config::BLOCK_N - 1) / Config::BLOCK_N);
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
-  kernel<<<grid, AlignedConfig::kThreads, smem, stream>>>(p);
+  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 }  // namespace
 
-int k_grouped_fp8_gemm_max_groups() { return Config::kMaxGroups; }
+int k_grouped_fp8_gemm_max_groups() { return KGroupedGemmConfig<KGroupedOut::kBf16>::kMaxGroups; }
 
 cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream) {
   const int G = args.groups.num_groups;
-  if (G < 1 || G > Config::kMaxGroups || args.n <= 0 || args.n % 16 != 0 || args.k <= 0 || args.k % 16 != 0 ||
-      args.m_total <= 0 || args.pitch < args.m_total || args.pitch % 16 != 0 ||
-      (args.accumulate && args.out_bf16))
+  if (G < 1 || G > k_grouped_fp8_gemm_max_groups() || args.n <= 0 || args.n % 16 != 0 || args.k <= 0 ||
+      args.k % 16 != 0 || args.p_tokens < 16 || args.p_tokens % 16 != 0 || args.pitch < args.p_tokens ||
+      args.pitch % 16 != 0 || args.num_blocks_max < G || (args.accumulate && args.out_bf16))
     return cudaErrorInvalidValue;
-  if (args.out_bf16 && !args.accumulate && reinterpret_cast<uintptr_t>(args.d) % 16 == 0 &&
-      G <= AlignedConfig::kMaxGroups && aligned16_requested())
-    return launch_aligned16(args, stream);
   KGroupedGemmParams p{};
   cudaError_t err;
-  // (m_total == 0 is the caller's: the output is zeros or C, and TMA cannot describe an empty tensor.)
-  if ((err = encode_token_major(&p.a, args.a, args.m_total, args.n, args.pitch)) != cudaSuccess) return err;
-  if ((err = encode_token_major(&p.b, args.b, args.m_total, args.k, args.pitch)) != cudaSuccess) return err;
+  if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch)) != cudaSuccess) return err;
+  if ((err = encode_token_major(&p.b, args.b, args.p_tokens, args.k, args.pitch)) != cudaSuccess) return err;
   if ((err = encode_block_scales(&p.a_scales, args.a_scales, args.n, args.num_blocks_max)) != cudaSuccess) return err;
   if ((err = encode_block_scales(&p.b_scales, args.b_scales, args.k, args.num_blocks_max)) != cudaSuccess) return err;
   p.d = args.d;
   p.groups = args.groups;
-  p.m_total = args.m_total;
+  p.p_tokens = args.p_tokens;
+  p.num_blocks_max = args.num_blocks_max;
   p.n = args.n;
   p.k = args.k;
-  p.accumulate = args.accumulate;
-  p.out_bf16 = args.out_bf16;
-  // Tiles leave through shared memory and TMA stores, and C (when accumulating) comes in by TMA, when D is
-  // 16-byte aligned (K % 16 == 0, checked above, makes the row pitch a multiple of 16 bytes, as TMA needs);
-  // otherwise the math threads move them from registers. A box is one 128-byte swizzle row wide.
+  // A 16-byte aligned D (K % 16 == 0 makes every row as aligned as D's start) leaves through the staging tile and
+  // TMA stores, a box being one 128-byte swizzle row wide; otherwise the math threads store from registers.
   if (reinterpret_cast<uintptr_t>(args.d) % 16 == 0) {
     const uint64_t elem = args.out_bf16 ? 2 : 4;
     const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
@@ -101,15 +70,9 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
       return err;
     p.tma_out = 1;
   }
-
-  auto kernel = k_grouped_fp8_gemm_kernel<Config>;
-  const size_t smem = Config::smem_bytes(G);
-  if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
-  static const int num_sms = sm_count();
-  const long long tiles = static_cast<long long>(G) * ((args.n + 127) / 128) * ((args.k + 127) / 128);
-  const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
-  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  if (args.out_bf16) return launch<KGroupedOut::kBf16>(p, stream);
+  if (args.accumulate) return launch<KGroupedOut::kF32Accumulate>(p, stream);
+  return launch<KGroupedOut::kF32>(p, stream);
 }
 
 }  // namespace megatron_tma

@@ -30,7 +30,7 @@ MGroupedTileShape m_grouped_fp8_gemm_tile(long long m_total, long long n, int nu
       (block_n != 0 && block_n != 128 && block_n != 192 && block_n != 256) ||
       (block_m == 192 && block_n != 0 && block_n != 128))
     return {0, 0};
-  static const int num_sms = sm_count();
+  const int num_sms = sm_count();
   MGroupedTileShape t{block_m == 0 ? 128 : block_m, block_n == 0 ? 128 : block_n};
   if (block_m == 0 && block_n == 0) t = choose_m_grouped_tile(m_total, n, num_groups, num_sms);
   const bool fits = t.block_m == 192   ? ConfigM192::smem_bytes(num_groups) <= kMaxSmem
@@ -102,7 +102,7 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   auto kernel = m_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(G);
   if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
-  static const int num_sms = sm_count();
+  const int num_sms = sm_count();
   // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles.
   const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
   const long long max_tiles = (static_cast<long long>(args.m_total) / Config::BLOCK_M + G) * n_blocks;

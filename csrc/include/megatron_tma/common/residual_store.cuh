@@ -27,15 +27,6 @@ __device__ __forceinline__ void residual_store_2d(const CUtensorMap* pool, const
   if (box != rows) tma_store_2d(pool + k, smem_rows + (rows - box) * kSmemRowBytes, col, row0 + rows - box);
 }
 
-// Same for a 3-D output (cols, rows, group): used by the k-grouped kernel's per-group outputs.
-__device__ __forceinline__ void residual_store_3d(const CUtensorMap* pool, const uint8_t* smem_rows, int rows, int col,
-                                                  int row0, int group) {
-  const int k = 31 - __clz(rows);
-  const int box = 1 << k;
-  tma_store_3d(pool + k, smem_rows, col, row0, group);
-  if (box != rows) tma_store_3d(pool + k, smem_rows + (rows - box) * kSmemRowBytes, col, row0 + rows - box, group);
-}
-
 // Byte offset of the 16-byte chunk `chunk` of 128-byte row `row` under SWIZZLE_128B (1024 B aligned base).
 __device__ __forceinline__ int sw128_offset(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 

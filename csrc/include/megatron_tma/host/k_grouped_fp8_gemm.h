@@ -6,15 +6,16 @@
 namespace megatron_tma {
 
 struct KGroupedGemmArgs {
-  const void* a;          // dY^T e4m3 [n, pitch] (tokens contiguous), pitch >= m_total, multiple of 16
+  const void* a;          // dY^T e4m3 [n, p_tokens] (tokens contiguous, group g at columns a_g = sum round_up(M_h, 16))
   const float* a_scales;  // fp32 [num_blocks_max, n]
-  const void* b;          // X^T e4m3 [k, pitch]
+  const void* b;          // X^T e4m3 [k, p_tokens]
   const float* b_scales;  // fp32 [num_blocks_max, k]
-  int pitch;              // row pitch of a and b in elements
-  int num_blocks_max;     // rows of the scale tensors (m_total / 128 + G)
-  void* d;                // [G, n, k] contiguous, fp32 or bf16
+  int p_tokens;           // P: columns of a and b (a multiple of 16)
+  int pitch;              // row pitch of a and b in elements (a multiple of 16, >= p_tokens)
+  int num_blocks_max;     // rows of the scale tensors (M_total / 128 + G)
+  void* d;                // [G, n, k] contiguous, fp32 or bf16, element-aligned
   int out_bf16, accumulate;
-  int m_total, n, k;
+  int n, k;
   GroupsArg groups;
 };
 

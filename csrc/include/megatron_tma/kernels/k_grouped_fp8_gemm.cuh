@@ -1,28 +1,28 @@
-// K-grouped FP8 GEMM (weight gradient) without padding: dW[g] = dY_g^T . X_g, contracting over each
-// group's own tokens, whatever their count and wherever they start.
+// K-grouped FP8 GEMM (weight gradient) without padding: dW[g] = dY_g^T . X_g, contracting over each group's
+// own tokens, whatever their count.
 //
-// Operands are token-contiguous: dY^T [N, M_total] and X^T [K, M_total] (row pitch <= M_total + 15), with
-// one FP32 scale per row per 128-token block counted from the group's first token (docs/layouts.md).
+// Operands (DESIGN.md §4, docs/layouts.md): token-contiguous dY^T [N, P] and X^T [K, P]; group g's tokens sit at
+// columns [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16), with zeros in the <= 15 columns after each group;
+// one FP32 scale per row per 128-token block counted from the group's first token (rows B_g + j of the scales).
 //
-// Why a realignment step: TMA requires the innermost start coordinate of a box to be 16-byte aligned, and
-// here the innermost dimension is the token, so a block starting at token o_g + 128j (any value) cannot be
-// loaded straight into the operand tile. FP8 wgmma needs K-major operands, and the tensor cores' FP32
-// partial sums depend on which tokens share a k32 step, so the block's token t must sit at K position t
-// exactly (that is what makes the result bit-identical to the 128-padded layout). So:
-//   1. the producer streams the group's tokens as 128-aligned 128-token chunks (128 rows of each operand,
-//      128B-swizzled, whole L2 lines), each chunk loaded once per tile, plus each block's scales;
-//   2. block j lies in chunks j and j+1 at a fixed offset (o_g mod 128); the math warpgroups copy it out
-//      of the two chunks into the 128B-swizzled operand tiles (16-byte pieces and funnel shifts), writing
-//      zeros for tokens past the group's end (they belong to the next group: products there are exactly
-//      0 * 0, as in the padded layout);
-//   3. wgmma on the tiles, then promotion acc = fma(sa[n] * sb[k], p, acc) in ascending block order.
-// Three operand-tile buffers let block j+2 be realigned while block j+1 runs on the tensor cores and
-// block j is promoted. Nothing is padded in memory and nothing is read on the host. out = acc, or C + acc
-// when accumulating (Megatron's main_grad). Deterministic: each output element is owned by one thread.
-// Output, when D is 16-byte aligned: through 128B-swizzled staging tiles in shared memory and TMA stores (whole
-// lines, edges clipped), BF16 and FP32 alike; when accumulating, C comes in by TMA under the last block's
-// wgmma and is added in shared memory. Otherwise (D only 4- or 8-byte aligned) from registers, every load of C
-// issued before the first store. Both FP32 paths compute __fadd_rn(c, acc): the same bits.
+// Why the 16-token group starts: TMA needs the innermost start coordinate of a box 16-byte aligned, and here the
+// innermost dimension is the token. With every group starting on a 16-token boundary, each block
+// [a_g + 128 j, ...) starts aligned, so TMA loads it straight into its 128B-swizzled operand tile at its exact K
+// positions (the tensor cores' k32 partial sums depend on which tokens share a step: that is what makes the bits
+// those of the 128-padded layout). A group's last block may be partial; its box runs into the zero gap and the
+// next group's tokens, so the math warps zero the tokens past the group's end in both operand tiles before its
+// wgmma: every product there is then exactly 0 * 0, as in the padded layout (DESIGN.md §3).
+//
+// Structure: the M-grouped kernel's, over the K-grouped scheduler's tiles (group, N block, K block). Persistent
+// grid; warpgroup 0 = one TMA producer thread; warpgroups 1-2 = math, 64 output rows (N) each, with two partial
+// fragments so that block j+1 runs on the tensor cores while block j is promoted:
+// acc = fma(sa[n] * sb[k], p, acc), ascending blocks (the per-element scale product is the wgrad's extra cost
+// over the M-grouped promotion: two FP32 operations per element and block instead of one).
+// Output (kOut): BF16, FP32, or FP32 accumulated into C (Megatron's main_grad: D = C + A.B, one __fadd_rn per
+// element after the whole contraction; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
+// through a 128B-swizzled staging tile and TMA stores (whole lines; the N and K edges clipped by TMA), and C comes in
+// by TMA at the start of the tile, under its whole contraction. Otherwise (D only element-aligned, e.g. a main_grad
+// view at an odd float offset) the threads store from registers, every load of C issued before the first store.
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -38,95 +38,75 @@
 
 namespace megatron_tma {
 
+enum class KGroupedOut { kBf16 = 0, kF32 = 1, kF32Accumulate = 2 };
+
 struct KGroupedGemmParams {
-  CUtensorMap a;         // dY^T e4m3: dims (M_total, N), row pitch, box (128 tokens, 128 rows), 128B swizzle
-  CUtensorMap b;         // X^T  e4m3: dims (M_total, K), box (128, 128), 128B swizzle
-  CUtensorMap a_scales;  // fp32 [MB_max, N]: dims (N, MB_max), box (128, 1)
-  CUtensorMap b_scales;  // fp32 [MB_max, K]: dims (K, MB_max), box (128, 1)
-  CUtensorMap d_tma;     // D [G, N, K]: dims (K, N, G), box (128 B of a row = 64 bf16 / 32 fp32, 64, 1), SW128
-  void* d;               // [G, N, K] fp32 (or bf16), contiguous
+  CUtensorMap a;         // dY^T e4m3 [N, P]: dims (P, N), row pitch, box (128 tokens, 128 rows), SW128
+  CUtensorMap b;         // X^T  e4m3 [K, P]: dims (P, K), box (128, 128), SW128
+  CUtensorMap a_scales;  // fp32 [MB, N]: dims (N, MB), box (128, 1)
+  CUtensorMap b_scales;  // fp32 [MB, K]: dims (K, MB), box (128, 1)
+  CUtensorMap d_tma;     // D [G, N, K]: dims (K, N, G), box (one 128-byte row: 64 bf16 / 32 fp32, 64 rows, 1), SW128
+  void* d;               // [G, N, K] contiguous (the register epilogue's target)
   GroupsArg groups;
-  int m_total, n, k;
-  int accumulate;        // d = d + A.B (fp32 only)
-  int out_bf16;
-  int tma_out;           // d 16-byte aligned: tiles leave through shared memory and TMA stores (d_tma), and C
-                         // comes in by TMA when accumulating; otherwise from registers
+  int p_tokens;          // P: columns of dY^T / X^T (group starts are clamped to it)
+  int num_blocks_max;    // MB: rows of the scale tensors (token-block counts are clamped to it)
+  int n, k;
+  int tma_out;           // D 16-byte aligned: staging tile + TMA (and C by TMA); else register stores
 };
 
-template <int STAGES_>
+template <KGroupedOut kOut_>
 struct KGroupedGemmConfig {
-  static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128, STAGES = STAGES_;
+  static constexpr KGroupedOut kOut = kOut_;
+  static constexpr bool kF32 = kOut != KGroupedOut::kBf16, kAccumulate = kOut == KGroupedOut::kF32Accumulate;
+  // BLOCK_M x BLOCK_N output rows (N) x columns (K), BLOCK_K tokens per block.
+  static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
+  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory.
+  static constexpr int STAGES = kF32 ? 4 : 5;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 24, kMathRegs = 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
   static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
-  static constexpr int kTileBuffers = 3;                      // realign j+1 while j runs and j-1 is promoted
-  static constexpr int CHUNK_BYTES = 128 * 128;               // one operand's aligned 128-token chunk
-  static constexpr int TILE_BYTES = 128 * BLOCK_K;            // one operand's swizzled wgmma tile
-  static constexpr int SCALE_BYTES = 128 * 4;
-  static constexpr int TX_CHUNK = 2 * CHUNK_BYTES, TX_SCALES = 2 * SCALE_BYTES;
-  static constexpr int OFF_TILES = 0;                         // kTileBuffers x [A tile, B tile]
-  static constexpr int OFF_SCALES = OFF_TILES + kTileBuffers * 2 * TILE_BYTES;  // kTileBuffers x [sa, sb]
-  static constexpr int OFF_STAGE = OFF_SCALES + kTileBuffers * 2 * SCALE_BYTES;  // ring: [A, B, sa, sb] per stage
-  static constexpr int STAGE_SLOT = 2 * CHUNK_BYTES + 2 * SCALE_BYTES;
-  static constexpr int OFF_BAR = OFF_STAGE + STAGES * STAGE_SLOT;
-  // Per math warpgroup: an mbarrier (its C tile landed) and the parity of its next C load. The parity lives in
-  // shared memory: as a register it is long-lived and rarely used, and ptxas spills it.
-  static constexpr int OFF_CBAR = OFF_BAR + 2 * STAGES * 8;
-  static constexpr int OFF_SCRATCH = OFF_CBAR + 32;
+  static constexpr int A_BYTES = BLOCK_M * BLOCK_K, B_BYTES = BLOCK_N * BLOCK_K;
+  static constexpr int S_BYTES = (BLOCK_M + BLOCK_N) * 4;  // the block's row scales sa[n], then sb[k]
+  // Staging: per math warpgroup 64 rows x 128 columns, as 128-byte swizzle rows: BF16 two 64-column boxes,
+  // FP32 four 32-column boxes, each box 64 rows x 128 B = 8 KB.
+  static constexpr int kBoxBytes = 64 * 128, kBoxes = kF32 ? 4 : 2;
+  static constexpr int D_BYTES = kMathWarpgroups * kBoxes * kBoxBytes;
+  static constexpr int OFF_A = 0;
+  static constexpr int OFF_B = OFF_A + STAGES * A_BYTES;
+  static constexpr int OFF_D = OFF_B + STAGES * B_BYTES;
+  static constexpr int OFF_S = OFF_D + D_BYTES;
+  static constexpr int OFF_BAR = OFF_S + STAGES * S_BYTES;
+  static constexpr int OFF_CBAR = OFF_BAR + 2 * STAGES * 8;  // per math warpgroup: its C slab landed
+  static constexpr int OFF_SCRATCH = OFF_CBAR + 16;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
   static constexpr int kMaxGroups = 1024;
-  static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 2 * (num_groups + 1) * sizeof(int); }
-  static_assert(STAGE_SLOT % 1024 == 0 && OFF_STAGE % 1024 == 0, "128B-swizzled TMA boxes need 1024-byte alignment");
-  static_assert(1024 + OFF_GROUPS + 2 * (kMaxGroups + 1) * 4 <= 227 * 1024, "fits the SM90 shared memory");
+  // Group columns a_g [G+1], token counts [G] (padded to G+1), token-block offsets B_g [G+1].
+  static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 3 * (num_groups + 1) * sizeof(int); }
+  static_assert(OFF_B % 1024 == 0 && OFF_D % 1024 == 0, "128B-swizzled tiles need 1024-byte alignment");
+  static_assert(1024 + OFF_GROUPS + 3 * (kMaxGroups + 1) * 4 <= 227 * 1024, "fits the SM90 shared memory");
 };
 
-// Copy the 128 tokens starting at byte `off` of the 256-byte concatenation of two staged chunk rows
-// (row_a ++ row_b, both 128B-swizzled) into a 128B-swizzled tile row, zeroing tokens at or past `valid`
-// (kMasked: the group's last block). One thread owns the whole row and slides a 32-byte window along it:
-// 9 loads of 16 B, 32 funnel shifts, 8 stores, only 8 words live (room for the two in-flight wgmma
-// fragments). off = 16 * qw + 4 * Q + bits / 8; Q is a template parameter so that the word selection is
-// static. Bank-conflict free: the 8 threads of a quarter-warp own 8 consecutive rows, whose swizzles put
-// the same logical 16-byte piece in 8 distinct bank groups, on both sides.
-template <int Q, bool kMasked>
-__device__ __forceinline__ void realign_row(const uint8_t* row_a, const uint8_t* row_b, uint8_t* tile_row, int row,
-                                            int qw, uint32_t bits, int valid) {
+// Zero the bytes of tokens [valid, 128) in one 128-byte row of a 128B-swizzled operand tile.
+__device__ __forceinline__ void zero_row_tail(uint8_t* tile, int row, int valid) {
   const int r7 = row & 7;
-  auto piece = [&](int k) {  // logical 16-byte piece k (0..15) of the concatenated row
-    return *reinterpret_cast<const uint4*>((k < 8 ? row_a : row_b) + (((k & 7) ^ r7) << 4));
-  };
-  uint4 hi = piece(qw);
-#pragma unroll
-  for (int chunk = 0; chunk < 8; ++chunk) {
-    const uint4 lo = hi;
-    hi = piece(qw + chunk + 1);
-    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    uint32_t u[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) u[i] = __funnelshift_r(w[Q + i], w[Q + i + 1], bits);
-    if constexpr (kMasked) {
+  for (int piece = valid >> 4; piece < 8; ++piece) {
+    uint4* p = reinterpret_cast<uint4*>(tile + row * 128 + ((piece ^ r7) << 4));
+    const int keep = valid - 16 * piece;  // bytes of this piece that are real tokens (0..15)
+    if (keep <= 0) {
+      *p = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      uint4 v = *p;
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int k = valid - 16 * chunk - 4 * i;  // bytes of word i that are real tokens
-        u[i] = k >= 4 ? u[i] : (k <= 0 ? 0u : (u[i] & ((1u << (8 * k)) - 1u)));
+        const int k = keep - 4 * i;
+        w[i] = k >= 4 ? w[i] : (k <= 0 ? 0u : (w[i] & ((1u << (8 * k)) - 1u)));
       }
+      *p = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    *reinterpret_cast<uint4*>(tile_row + ((chunk ^ r7) << 4)) = make_uint4(u[0], u[1], u[2], u[3]);
-  }
-}
-
-template <bool kMasked>
-__device__ __forceinline__ void realign_row_dispatch(const uint8_t* row_a, const uint8_t* row_b, uint8_t* tile_row,
-                                                     int row, int off, int valid) {
-  const uint32_t bits = 8u * (off & 3);
-  const int qw = off >> 4;
-  switch ((off >> 2) & 3) {  // uniform over the CTA: one branch per group
-    case 0: realign_row<0, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
-    case 1: realign_row<1, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
-    case 2: realign_row<2, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
-    default: realign_row<3, kMasked>(row_a, row_b, tile_row, row, qw, bits, valid); break;
   }
 }
 
@@ -136,63 +116,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_BAR);
   const Pipeline<Cfg::STAGES> pipe{full_bar, full_bar + Cfg::STAGES};
+  uint64_t* c_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_CBAR);
   int* scratch = reinterpret_cast<int*>(smem + Cfg::OFF_SCRATCH);
   const int G = p.groups.num_groups;
-  int* token_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
-  int* block_off = token_off + G + 1;
-
-  uint64_t* c_bar = reinterpret_cast<uint64_t*>(smem + Cfg::OFF_CBAR);
+  int* col_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);  // a_g, clamped to P
+  int* tokens = col_off + G + 1;                                   // M_g, clamped to the columns it owns
+  int* block_off = tokens + G + 1;                                 // B_g, clamped to MB
   if (threadIdx.x == 0) {
     mbar_init(&c_bar[0], 1);
     mbar_init(&c_bar[1], 1);
-    reinterpret_cast<uint32_t*>(c_bar + 2)[0] = reinterpret_cast<uint32_t*>(c_bar + 2)[1] = 0;  // C-load parities
     pipe.init(Cfg::kMathWarpgroups * 4);  // (its fence also publishes c_bar)
     tma_prefetch_descriptor(&p.a);
     tma_prefetch_descriptor(&p.b);
     tma_prefetch_descriptor(&p.a_scales);
     tma_prefetch_descriptor(&p.b_scales);
   }
-  block_exclusive_scan(G, [&](int i) { return groups_size(p.groups, i); }, token_off, p.m_total, scratch);
-  block_exclusive_scan(G, [&](int i) { return (token_off[i + 1] - token_off[i] + 127) / 128; }, block_off, 0x7fffffff,
-                       scratch);
-
-  const KGroupedScheduler sched{token_off, block_off, G, (p.n + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M,
+  block_exclusive_scan(G, [&](int i) { return (groups_size(p.groups, i) + 15) & ~15; }, col_off, p.p_tokens, scratch);
+  for (int i = threadIdx.x; i < G; i += blockDim.x) tokens[i] = min(groups_size(p.groups, i), col_off[i + 1] - col_off[i]);
+  __syncthreads();
+  block_exclusive_scan(G, [&](int i) { return (tokens[i] + 127) / 128; }, block_off, p.num_blocks_max, scratch);
+  const KGroupedScheduler sched{col_off, tokens, block_off, G, (p.n + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M,
                                 (p.k + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
-  const int warpgroup = threadIdx.x / 128;
-  auto stage_ptr = [&](int stage) { return smem + Cfg::OFF_STAGE + stage * Cfg::STAGE_SLOT; };
+  const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
 
   if (warpgroup == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // The bulk L2 prefetch needs 16-byte aligned rows: K % 16 == 0 makes every C row as aligned as C's
-      // start, which the API only requires to be 8-byte aligned (a pair of floats). An 8-byte offset C gets no
-      // prefetch (it faulted with "misaligned address" before this check).
-      const bool c_prefetch = p.accumulate && (reinterpret_cast<uintptr_t>(p.d) & 15) == 0;
       PipelineState<Cfg::STAGES> st;
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const KTile tile = sched.get(t);
         const int n0 = tile.n_block * Cfg::BLOCK_M, k0 = tile.k_block * Cfg::BLOCK_N;
-        const int blocks = (tile.tokens + 127) / 128;
-        const int c0 = tile.token_start >> 7, chunks = tile.tokens ? ((tile.token_start + tile.tokens + 127) >> 7) - c0 : 0;
-        if (c_prefetch && chunks > 0) {
-          // The epilogue reads C (main_grad) back: pull this tile of it into L2 now, blocks ahead of that
-          // read, so the math warps do not stall on DRAM in their epilogue (otherwise a quarter of the time
-          // on large groups).
-          const float* c_tile = static_cast<const float*>(p.d) + (static_cast<size_t>(tile.group) * p.n + n0) * p.k + k0;
-          const uint32_t row_bytes = 4u * min(Cfg::BLOCK_N, p.k - k0);
-          for (int r = 0; r < min(Cfg::BLOCK_M, p.n - n0); ++r) prefetch_l2_bulk(c_tile + static_cast<size_t>(r) * p.k, row_bytes);
-        }
-        for (int i = 0; i < chunks; ++i, st.advance()) {
-          const bool scales = i < blocks;  // block i's scales ride with its first chunk
-          uint64_t* bar = pipe.producer_acquire(st, Cfg::TX_CHUNK + (scales ? Cfg::TX_SCALES : 0));
-          uint8_t* s = stage_ptr(st.stage);
-          tma_load_2d(&p.a, bar, s, 128 * (c0 + i), n0);
-          tma_load_2d(&p.b, bar, s + Cfg::CHUNK_BYTES, 128 * (c0 + i), k0);
-          if (scales) {
-            tma_load_2d(&p.a_scales, bar, s + 2 * Cfg::CHUNK_BYTES, n0, tile.block_base + i);
-            tma_load_2d(&p.b_scales, bar, s + 2 * Cfg::CHUNK_BYTES + Cfg::SCALE_BYTES, k0, tile.block_base + i);
-          }
+        const int blocks = min((tile.tokens + 127) / 128, p.num_blocks_max - tile.block_base);
+        for (int j = 0; j < blocks; ++j, st.advance()) {
+          uint64_t* bar = pipe.producer_acquire(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::S_BYTES);
+          const int tok = tile.token_start + 128 * j;  // a multiple of 16: a legal TMA start
+          tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, tok, n0);
+          tma_load_2d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, tok, k0);
+          uint8_t* s = smem + Cfg::OFF_S + st.stage * Cfg::S_BYTES;
+          tma_load_2d(&p.a_scales, bar, s, n0, tile.block_base + j);
+          tma_load_2d(&p.b_scales, bar, s + Cfg::BLOCK_M * 4, k0, tile.block_base + j);
         }
       }
     }
@@ -202,232 +165,172 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     const int mtid = threadIdx.x - 128;  // 0..255 over both math warpgroups
     const int r0 = 16 * warp + lane / 4;
-    // Realignment ownership: thread mtid copies row (mtid % 128) of operand (mtid / 128), i.e. the first
-    // math warpgroup moves the dY^T rows and the second the X^T rows.
-    const int my_op = mtid >> 7, my_row = mtid & 127;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     constexpr int R = Mma::kRegs;
     float acc[R], part0[R], part1[R];
     PipelineState<Cfg::STAGES> st;
-    auto tiles_of = [&](int buf) { return smem + Cfg::OFF_TILES + buf * 2 * Cfg::TILE_BYTES; };
-    auto scales_of = [&](int buf) {
-      return reinterpret_cast<float*>(smem + Cfg::OFF_SCALES + buf * 2 * Cfg::SCALE_BYTES);
-    };
-    auto next_buf = [](int b) { return b == Cfg::kTileBuffers - 1 ? 0 : b + 1; };
-    // Move block j out of its chunks (staging slots j and j+1 of the tile): realign it into tile buffer
-    // `buf` (visible to the tensor cores after the caller's barrier), copy its row/column scales beside it,
-    // and hand chunk j back to the producer (block j+1 starts in chunk j+1). After the tile's last block
-    // a trailing chunk is handed back too, so that loads run up to STAGES chunks ahead of the math.
-    auto unstage = [&](int buf, int j, int blocks, int chunks, int off, int valid) {
-      pipe.consumer_wait(st);
-      PipelineState<Cfg::STAGES> nxt = st;
-      nxt.advance();
-      const bool two = j + 1 < chunks;  // else every byte past this chunk is masked: read any valid row
-      if (two) pipe.consumer_wait(nxt);
-      const uint8_t* s = stage_ptr(st.stage);
-      const uint8_t* row_a = s + my_op * Cfg::CHUNK_BYTES + my_row * 128;
-      const uint8_t* row_b = two ? stage_ptr(nxt.stage) + my_op * Cfg::CHUNK_BYTES + my_row * 128 : row_a;
-      uint8_t* dst = tiles_of(buf) + my_op * Cfg::TILE_BYTES + my_row * 128;
-      if (valid >= 128)
-        realign_row_dispatch<false>(row_a, row_b, dst, my_row, off, valid);
-      else
-        realign_row_dispatch<true>(row_a, row_b, dst, my_row, off, valid);
-      scales_of(buf)[mtid] = reinterpret_cast<const float*>(s + 2 * Cfg::CHUNK_BYTES)[mtid];  // sa then sb
-      fence_proxy_async_smem();
-      pipe.consumer_release(st, lane);
-      st.advance();
-      if (j + 1 == blocks && two) {  // the trailing chunk of the tile
-        pipe.consumer_release(st, lane);
-        st.advance();
-      }
-    };
-    auto issue = [&](float(&frag)[R], int buf) {
-      const uint8_t* tiles = tiles_of(buf);
-      const uint64_t da = make_kmajor_sw128_desc(tiles + mwg * 64 * 128);
-      const uint64_t db = make_kmajor_sw128_desc(tiles + Cfg::TILE_BYTES);
+    const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
+    const KmajorSw128Desc db0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_B).lo, 0)};
+    uint8_t* const d_tile = smem + Cfg::OFF_D + mwg * Cfg::kBoxes * Cfg::kBoxBytes;  // this warpgroup's staging
+    uint32_t c_parity = 0;                                                            // of its next C load
+
+    auto issue = [&](float(&frag)[R], const PipelineState<Cfg::STAGES>& at) {
+      const KmajorSw128Desc da = da0.plus_units(at.stage * (Cfg::A_BYTES >> 4));
+      const KmajorSw128Desc db = db0.plus_units(at.stage * (Cfg::B_BYTES >> 4));
       fence_regs(frag);
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k) Mma::mma(desc_advance(da, 32 * k), desc_advance(db, 32 * k), frag, k > 0);
+      for (int k = 0; k < 4; ++k) Mma::mma(da.plus_bytes(32 * k).value(), db.plus_bytes(32 * k).value(), frag, k > 0);
       wgmma_commit();
     };
-    auto promote = [&](const float(&frag)[R], int buf) {
-      const float* sa = scales_of(buf);
-      promote_row_col_scaled(acc, frag, sa[64 * mwg + r0], sa[64 * mwg + r0 + 8], sa + 128 + 2 * (lane % 4));
+    // A block whose group ends inside it: both warpgroups zero the tokens past the end (thread mtid owns row
+    // mtid % 128 of operand mtid / 128), then meet before either issues its wgmma.
+    auto wait_block = [&](const PipelineState<Cfg::STAGES>& at, int valid) {
+      pipe.consumer_wait(at);
+      if (valid < 128) {  // uniform over the CTA
+        uint8_t* tile = smem + (mtid < 128 ? Cfg::OFF_A + at.stage * Cfg::A_BYTES : Cfg::OFF_B + at.stage * Cfg::B_BYTES);
+        zero_row_tail(tile, mtid & 127, valid);
+        fence_proxy_async_smem();
+        named_barrier_sync(3, 256);
+      }
     };
-
-    // FP32 tiles through shared memory: this warpgroup's 64 x 128 slab is two 16 KB regions, columns 0-63 in its
-    // half of the buffer that held the tile's block B-2 and columns 64-127 in its half of the buffer the next
-    // tile's first block goes to (which only this warpgroup's own threads write then: warpgroup 0 realigns the
-    // A rows, 1 the B rows). Each region is two 32-column TMA boxes of 64 rows x 128 B, 128B-swizzled.
-    volatile uint32_t* c_phase = reinterpret_cast<uint32_t*>(c_bar + 2) + mwg;  // parity of the next C load
-    auto f32_region = [&](int after_buf, int box) {  // box 0..3 = columns 32*box..; after_buf: buf after the tile
-      return tiles_of(box < 2 ? next_buf(after_buf) : after_buf) + mwg * Cfg::TILE_BYTES + (box & 1) * 8192;
+    auto promote = [&](const float(&frag)[R], const PipelineState<Cfg::STAGES>& at) {
+      const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + at.stage * Cfg::S_BYTES);
+      promote_row_col_scaled(acc, frag, s[64 * mwg + r0], s[64 * mwg + r0 + 8], s + Cfg::BLOCK_M + 2 * (lane % 4));
     };
-    auto f32_pair = [&](int after_buf, int rr, int c) {  // this WG's staged (row rr, columns c, c+1), c even
-      const int cb = c & 31;
-      return reinterpret_cast<float2*>(f32_region(after_buf, c >> 5) + rr * 128 + (((cb >> 2) ^ (rr & 7)) << 4) +
-                                       (cb & 3) * 4);
-    };
-    auto f32_boxes = [&](const KTile& tile, int after_buf, bool load) {  // leader: TMA load (C) or store (D)
+    // The leader's TMA boxes of this warpgroup's 64 x 128 slab: load C (accumulate) or store D. A box wholly
+    // past the N or K edge is neither loaded nor stored; TMA clips the partial ones.
+    auto slab_boxes = [&](const KTile& tile, bool load) {
       const int n0 = tile.n_block * Cfg::BLOCK_M + 64 * mwg, k0 = tile.k_block * Cfg::BLOCK_N;
+      constexpr int kCols = Cfg::kF32 ? 32 : 64;  // columns per 128-byte box row
       if (n0 >= p.n) return;
       if (load) {
         int boxes = 0;
-        for (int b = 0; b < 4; ++b) boxes += k0 + 32 * b < p.k;
-        mbar_arrive_expect_tx(&c_bar[mwg], boxes * 8192);
+        for (int b = 0; b < Cfg::kBoxes; ++b) boxes += k0 + kCols * b < p.k;
+        mbar_arrive_expect_tx(&c_bar[mwg], boxes * Cfg::kBoxBytes);
       }
-      for (int b = 0; b < 4; ++b) {
-        if (k0 + 32 * b >= p.k) continue;  // a box wholly past the edge is neither loaded nor stored
+      for (int b = 0; b < Cfg::kBoxes; ++b) {
+        if (k0 + kCols * b >= p.k) continue;
         if (load)
-          tma_load_3d(&p.d_tma, &c_bar[mwg], f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+          tma_load_3d(&p.d_tma, &c_bar[mwg], d_tile + b * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
         else
-          tma_store_3d(&p.d_tma, f32_region(after_buf, b), k0 + 32 * b, n0, tile.group);
+          tma_store_3d(&p.d_tma, d_tile + b * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
       }
     };
 
-    int buf = 0;  // tile buffer of the next block; rotates over every block this CTA runs, across tiles
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const KTile tile = sched.get(t);
-      const int blocks = (tile.tokens + 127) / 128;
-      if (blocks == 0 && p.accumulate) continue;  // an empty group leaves C unchanged
+      const int blocks = min((tile.tokens + 127) / 128, p.num_blocks_max - tile.block_base);
+      if (Cfg::kAccumulate && blocks <= 0) continue;  // an empty group leaves C unchanged
+      if (Cfg::kAccumulate && p.tma_out && tid == 0) {
+        // C comes in under the whole contraction. The staging tile must be free: the previous tile's stores
+        // have read it once wait_read returns (this warpgroup's threads wrote it before the barrier that
+        // preceded those stores).
+        tma_store_wait_read<0>();
+        slab_boxes(tile, true);
+      }
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = 0.f;
-      const int off = tile.token_start & 127;  // where every block starts in its first chunk
-      const int chunks = blocks ? ((tile.token_start + tile.tokens + 127) >> 7) - (tile.token_start >> 7) : 0;
       if (blocks > 0) {
-        // Block j sits in tile buffer (buf0 + j) % 3. A buffer is refilled (block j+2, during step j) only
-        // after its last occupant was released before a 256-thread barrier that the writers have passed: an
-        // operand block (retired by both warpgroups in step j-1, whose closing barrier orders that before any
-        // refill), or a previous tile's BF16 staging tile (its TMA store has read it: each leader waits for
-        // that before it reaches the next barrier 3).
-        const int buf0 = buf;
-        unstage(buf0, 0, blocks, chunks, off, min(128, tile.tokens));
-        named_barrier_sync(3, 256);
-        issue(part0, buf0);
-        if (blocks > 1) unstage(next_buf(buf0), 1, blocks, chunks, off, min(128, tile.tokens - 128));
-        named_barrier_sync(3, 256);
-        // Step j: launch block j+1 into `nxt`, realign block j+2, retire block j from `cur` (wait_group 1
-        // leaves block j+1 running on the tensor cores) and promote it. The wgmma issue is straight-line
-        // code (no branch around it) so that ptxas keeps the two groups in flight.
-        int cur_buf = buf0;
+        wait_block(st, min(128, tile.tokens));
+        issue(part0, st);
         auto step = [&](int j, float(&cur)[R], float(&nxt)[R]) {
-          const int nxt_buf = next_buf(cur_buf);
-          issue(nxt, nxt_buf);
-          if (j + 2 < blocks)
-            unstage(next_buf(nxt_buf), j + 2, blocks, chunks, off, min(128, tile.tokens - 128 * (j + 2)));
-          wgmma_wait<1>();
+          PipelineState<Cfg::STAGES> next = st;
+          next.advance();
+          wait_block(next, min(128, tile.tokens - 128 * (j + 1)));
+          issue(nxt, next);
+          wgmma_wait<1>();  // block j is complete; j+1 may still run
           fence_regs(cur);
-          promote(cur, cur_buf);
-          named_barrier_sync(3, 256);
-          cur_buf = nxt_buf;
+          promote(cur, st);  // reads block j's scales from its slot: release after
+          pipe.consumer_release(st, lane);
+          st.advance();
         };
         auto last = [&](float(&cur)[R]) {
-          // Both regions of the FP32 staging are free from here (the barrier closing step B-2 retired block
-          // B-2 in both warpgroups): load C into them under the last block's wgmma and promotion.
-          if (p.tma_out && p.accumulate && tid == 0) f32_boxes(tile, next_buf(cur_buf), true);
           wgmma_wait<0>();
           fence_regs(cur);
-          promote(cur, cur_buf);
+          promote(cur, st);
+          pipe.consumer_release(st, lane);
+          st.advance();
         };
         two_fragment_pipeline(blocks, part0, part1, step, last);
-        buf = next_buf(cur_buf);
       }
 
-      // Epilogue, straight from registers; each warp access covers whole 32-byte sectors (4 lanes x 8 B per
-      // row). When accumulating, every load of C is issued before the first store: loads and stores may
-      // alias as far as the compiler knows, so interleaving them serialises 32 global round trips per tile
-      // (~30k cycles: the first version spent most of its time there whenever groups were small).
-      const int n_a = tile.n_block * Cfg::BLOCK_M + 64 * mwg + r0;
-      const size_t group_base = static_cast<size_t>(tile.group) * p.n * p.k;
-      // Element offset of fragment pair (j, h) in D, or -1 past the edge of a partial tile.
-      auto offset = [&](int j, int h) -> long long {
-        const int col = tile.k_block * Cfg::BLOCK_N + 8 * j + 2 * (lane % 4), row = n_a + 8 * h;
-        return col < p.k && row < p.n ? static_cast<long long>(group_base + static_cast<size_t>(row) * p.k + col) : -1;
-      };
-      float* d32 = static_cast<float*>(p.d);
-      if (p.tma_out && p.out_bf16 && blocks > 0) {
-        // BF16 through shared memory: each warpgroup writes its 64 rows into the 128B-swizzled staging tile
-        // (two 64-column halves) and its leader stores them with TMA, which writes whole lines and clips the
-        // N / K edges; only the leader's warp waits, and only until TMA has read the tile. Register stores
-        // cost the kernel ~30% of its stall samples on small groups (ncu: long-scoreboard waits on the
-        // per-element address arithmetic).
-        // Staged in the buffer before the last block's (block B-2's, or the previous tile's last): both
-        // warpgroups retired it before a barrier this warpgroup has passed, whereas the other warpgroup may
-        // still run wgmma on the last block's B tile. A later tile refills it (its second block, or a first
-        // block if the next tile has only one), always after a 256-thread barrier 3 that follows the
-        // leaders' wait below.
-        uint8_t* stage = tiles_of(next_buf(buf));
-        stage_bf16_fragment<Cfg::BLOCK_M * 128>(stage, acc, 64 * mwg + r0, lane);
+      // The tile again (shared-memory reads): holding its fields through the contraction would cost registers.
+      const KTile et = sched.get(t);
+      if (p.tma_out) {
+        if (et.n_block * Cfg::BLOCK_M + 64 * mwg >= p.n) continue;  // this warpgroup's rows are all past N
+        if (Cfg::kAccumulate) {
+          mbar_wait(&c_bar[mwg], c_parity);
+          c_parity ^= 1u;
+        } else {
+          if (tid == 0) tma_store_wait_read<0>();  // the previous tile's stores have read the staging tile
+          named_barrier_sync(1 + mwg, 128);
+        }
+        if constexpr (Cfg::kF32) {
+          // Element (row rr, column c) of the slab lives in box c / 32, swizzle row rr, 16-byte chunk (c % 32) / 4.
+#pragma unroll
+          for (int j = 0; j < R / 4; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int rr = r0 + 8 * h, c = 8 * j + 2 * (lane % 4);
+              float2* slot = reinterpret_cast<float2*>(d_tile + (c >> 5) * Cfg::kBoxBytes +
+                                                       sw128_offset(rr, (c & 31) >> 2) + (c & 3) * 4);
+              float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              if (Cfg::kAccumulate) {
+                const float2 c_old = *slot;
+                v = make_float2(__fadd_rn(c_old.x, v.x), __fadd_rn(c_old.y, v.y));
+              }
+              *slot = v;
+            }
+        } else {
+          stage_bf16_fragment<Cfg::kBoxBytes>(d_tile, acc, r0, lane);
+        }
         fence_proxy_async_smem();
         named_barrier_sync(1 + mwg, 128);
         if (tid == 0) {
-          const int n0 = tile.n_block * Cfg::BLOCK_M + 64 * mwg, k0 = tile.k_block * Cfg::BLOCK_N;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (k0 + 64 * h < p.k && n0 < p.n)  // a box wholly past the edge is not issued
-              tma_store_3d(&p.d_tma, stage + h * (Cfg::BLOCK_M * 128) + 64 * mwg * 128, k0 + 64 * h, n0, tile.group);
+          slab_boxes(et, false);
           tma_store_commit();
-          tma_store_wait_read<0>();  // before this thread reaches the next barrier 3
         }
-      } else if (p.tma_out && blocks > 0) {  // FP32
-        // FP32 through shared memory: out = acc, or C + acc with C loaded by TMA in the last block's shadow;
-        // the same __fadd_rn(c, acc) per element as the register path, so the same bits.
-        const bool rows = tile.n_block * Cfg::BLOCK_M + 64 * mwg < p.n;  // else this half is past N: nothing
-        if (p.accumulate && rows) mbar_wait(&c_bar[mwg], *c_phase);
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float2* slot = f32_pair(buf, r0 + 8 * h, 8 * j + 2 * (lane % 4));
-            float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            if (p.accumulate) {
-              const float2 c = *slot;
-              v = make_float2(__fadd_rn(c.x, v.x), __fadd_rn(c.y, v.y));
-            }
-            *slot = v;
-          }
-        fence_proxy_async_smem();
-        named_barrier_sync(1 + mwg, 128);
-        if (tid == 0) {  // every thread has read the parity (before the barrier above): move it on
-          if (p.accumulate && rows) *c_phase ^= 1u;
-          f32_boxes(tile, buf, false);
-          tma_store_commit();
-          tma_store_wait_read<0>();
-        }
-        // The next tile's first realignment, by this warpgroup's own threads, overwrites the second region.
-        named_barrier_sync(1 + mwg, 128);
-      } else if (p.out_bf16) {
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (const long long idx = offset(j, h); idx >= 0)
-              *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.d) + idx) =
-                  __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-      } else if (p.accumulate) {
-        float2 c[R / 2];
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const long long idx = offset(j, h);
-            c[2 * j + h] = idx >= 0 ? __ldcg(reinterpret_cast<const float2*>(d32 + idx)) : make_float2(0.f, 0.f);
-          }
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (const long long idx = offset(j, h); idx >= 0)
-              *reinterpret_cast<float2*>(d32 + idx) = make_float2(__fadd_rn(c[2 * j + h].x, acc[4 * j + 2 * h]),
-                                                                  __fadd_rn(c[2 * j + h].y, acc[4 * j + 2 * h + 1]));
       } else {
+        // Register epilogue for a D that is not 16-byte aligned: element-wise, so any element alignment works.
+        const int row_a = et.n_block * Cfg::BLOCK_M + 64 * mwg + r0;
+        const size_t group_base = static_cast<size_t>(et.group) * p.n * p.k;
+        auto offset = [&](int j, int h, int e) -> long long {  // element of fragment register 4j + 2h + e, or -1
+          const int col = et.k_block * Cfg::BLOCK_N + 8 * j + 2 * (lane % 4) + e, row = row_a + 8 * h;
+          return col < p.k && row < p.n ? static_cast<long long>(group_base + static_cast<size_t>(row) * p.k + col) : -1;
+        };
+        if constexpr (!Cfg::kF32) {
+          __nv_bfloat16* d16 = static_cast<__nv_bfloat16*>(p.d);
 #pragma unroll
-        for (int j = 0; j < R / 4; ++j)
+          for (int i = 0; i < R; ++i)
+            if (const long long idx = offset(i / 4, (i / 2) & 1, i & 1); idx >= 0) d16[idx] = __float2bfloat16_rn(acc[i]);
+        } else {
+          float* d32 = static_cast<float*>(p.d);
+          if (Cfg::kAccumulate) {
+            // C in chunks, every load of a chunk before its first store: loads and stores may alias as far as
+            // the compiler knows, so one element at a time would serialise R global round trips. (A whole
+            // fragment of C does not fit beside the two partial fragments.)
+            constexpr int kChunk = 16;
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (const long long idx = offset(j, h); idx >= 0)
-              *reinterpret_cast<float2*>(d32 + idx) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+            for (int i0 = 0; i0 < R; i0 += kChunk) {
+              float c[kChunk];
+#pragma unroll
+              for (int i = 0; i < kChunk; ++i) {
+                const long long idx = offset((i0 + i) / 4, ((i0 + i) / 2) & 1, (i0 + i) & 1);
+                c[i] = idx >= 0 ? __ldcg(d32 + idx) : 0.f;
+              }
+#pragma unroll
+              for (int i = 0; i < kChunk; ++i) {
+                const long long idx = offset((i0 + i) / 4, ((i0 + i) / 2) & 1, (i0 + i) & 1);
+                if (idx >= 0) d32[idx] = __fadd_rn(c[i], acc[i0 + i]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+              if (const long long idx = offset(i / 4, (i / 2) & 1, i & 1); idx >= 0) d32[idx] = acc[i];
+          }
+        }
       }
     }
     if (p.tma_out && tid == 0) tma_store_wait_all();
