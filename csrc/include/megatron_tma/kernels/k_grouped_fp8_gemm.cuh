@@ -36,6 +36,10 @@
 #include "megatron_tma/common/wgmma.cuh"
 #include "megatron_tma/scheduler/k_grouped_scheduler.cuh"
 
+#ifndef MEGATRON_TMA_KG_ZERO_PER_WG
+#define MEGATRON_TMA_KG_ZERO_PER_WG 0
+#endif
+
 namespace megatron_tma {
 
 enum class KGroupedOut { kBf16 = 0, kF32 = 1, kF32Accumulate = 2 };
@@ -188,10 +192,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     auto wait_block = [&](const PipelineState<Cfg::STAGES>& at, int valid) {
       pipe.consumer_wait(at);
       if (valid < 128) {  // uniform over the CTA
+#if MEGATRON_TMA_KG_ZERO_PER_WG
+        // LAB variant: each warpgroup zeroes what its own wgmma reads (its 64 A rows and all 128 B rows; the
+        // other warpgroup writes the same zeros into B), then meets only itself.
+        zero_row_tail(smem + Cfg::OFF_B + at.stage * Cfg::B_BYTES, tid, valid);
+        if (tid < 64) zero_row_tail(smem + Cfg::OFF_A + at.stage * Cfg::A_BYTES, 64 * mwg + tid, valid);
+        fence_proxy_async_smem();
+        named_barrier_sync(1 + mwg, 128);
+#else
         uint8_t* tile = smem + (mtid < 128 ? Cfg::OFF_A + at.stage * Cfg::A_BYTES : Cfg::OFF_B + at.stage * Cfg::B_BYTES);
         zero_row_tail(tile, mtid & 127, valid);
         fence_proxy_async_smem();
         named_barrier_sync(3, 256);
+#endif
       }
     };
     auto promote = [&](const float(&frag)[R], const PipelineState<Cfg::STAGES>& at) {
