@@ -52,18 +52,4 @@ __device__ __forceinline__ void promote_row_col_scaled(float (&acc)[R], const fl
   }
 }
 
-// The same with the column scales already in registers (loaded before the wgmma wait, so that the shared-memory
-// latency hides under the tensor cores' work instead of stalling the scale products).
-template <int R>
-__device__ __forceinline__ void promote_row_col_scaled_regs(float (&acc)[R], const float (&part)[R], float sa0, float sa1,
-                                                            const float2 (&sb)[R / 4]) {
-#pragma unroll
-  for (int j = 0; j < R / 4; ++j) {
-    acc[4 * j + 0] = __fmaf_rn(__fmul_rn(sa0, sb[j].x), part[4 * j + 0], acc[4 * j + 0]);
-    acc[4 * j + 1] = __fmaf_rn(__fmul_rn(sa0, sb[j].y), part[4 * j + 1], acc[4 * j + 1]);
-    acc[4 * j + 2] = __fmaf_rn(__fmul_rn(sa1, sb[j].x), part[4 * j + 2], acc[4 * j + 2]);
-    acc[4 * j + 3] = __fmaf_rn(__fmul_rn(sa1, sb[j].y), part[4 * j + 3], acc[4 * j + 3]);
-  }
-}
-
 }  // namespace megatron_tma

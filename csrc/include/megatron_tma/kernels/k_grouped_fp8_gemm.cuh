@@ -36,13 +36,6 @@
 #include "megatron_tma/common/wgmma.cuh"
 #include "megatron_tma/scheduler/k_grouped_scheduler.cuh"
 
-#ifndef MEGATRON_TMA_KG_PREFETCH_SCALES
-#define MEGATRON_TMA_KG_PREFETCH_SCALES 0
-#endif
-#ifndef MEGATRON_TMA_KG_ZERO_PER_WG
-#define MEGATRON_TMA_KG_ZERO_PER_WG 0
-#endif
-
 namespace megatron_tma {
 
 enum class KGroupedOut { kBf16 = 0, kF32 = 1, kF32Accumulate = 2 };
@@ -195,47 +188,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     auto wait_block = [&](const PipelineState<Cfg::STAGES>& at, int valid) {
       pipe.consumer_wait(at);
       if (valid < 128) {  // uniform over the CTA
-#if MEGATRON_TMA_KG_ZERO_PER_WG
-        // LAB variant: each warpgroup zeroes what its own wgmma reads (its 64 A rows and all 128 B rows; the
-        // other warpgroup writes the same zeros into B), then meets only itself.
-        zero_row_tail(smem + Cfg::OFF_B + at.stage * Cfg::B_BYTES, tid, valid);
-        if (tid < 64) zero_row_tail(smem + Cfg::OFF_A + at.stage * Cfg::A_BYTES, 64 * mwg + tid, valid);
-        fence_proxy_async_smem();
-        named_barrier_sync(1 + mwg, 128);
-#else
         uint8_t* tile = smem + (mtid < 128 ? Cfg::OFF_A + at.stage * Cfg::A_BYTES : Cfg::OFF_B + at.stage * Cfg::B_BYTES);
         zero_row_tail(tile, mtid & 127, valid);
         fence_proxy_async_smem();
         named_barrier_sync(3, 256);
-#endif
       }
     };
     auto promote = [&](const float(&frag)[R], const PipelineState<Cfg::STAGES>& at) {
       const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + at.stage * Cfg::S_BYTES);
       promote_row_col_scaled(acc, frag, s[64 * mwg + r0], s[64 * mwg + r0 + 8], s + Cfg::BLOCK_M + 2 * (lane % 4));
     };
-#if MEGATRON_TMA_KG_PREFETCH_SCALES
-    constexpr int kPre = MEGATRON_TMA_KG_PREFETCH_SCALES;  // column-scale pairs loaded before the wgmma wait
-    auto load_scales = [&](const PipelineState<Cfg::STAGES>& at, float& sa0, float& sa1, float2(&sb)[kPre]) {
-      const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + at.stage * Cfg::S_BYTES);
-      sa0 = s[64 * mwg + r0];
-      sa1 = s[64 * mwg + r0 + 8];
-#pragma unroll
-      for (int j = 0; j < kPre; ++j) sb[j] = *reinterpret_cast<const float2*>(s + Cfg::BLOCK_M + 8 * j + 2 * (lane % 4));
-    };
-    auto promote_prefetched = [&](const float(&frag)[R], const PipelineState<Cfg::STAGES>& at, float sa0, float sa1,
-                                  const float2(&pre)[kPre]) {
-      const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + at.stage * Cfg::S_BYTES);
-#pragma unroll
-      for (int j = 0; j < R / 4; ++j) {
-        const float2 sb = j < kPre ? pre[j < kPre ? j : 0] : *reinterpret_cast<const float2*>(s + Cfg::BLOCK_M + 8 * j + 2 * (lane % 4));
-        acc[4 * j + 0] = __fmaf_rn(__fmul_rn(sa0, sb.x), frag[4 * j + 0], acc[4 * j + 0]);
-        acc[4 * j + 1] = __fmaf_rn(__fmul_rn(sa0, sb.y), frag[4 * j + 1], acc[4 * j + 1]);
-        acc[4 * j + 2] = __fmaf_rn(__fmul_rn(sa1, sb.x), frag[4 * j + 2], acc[4 * j + 2]);
-        acc[4 * j + 3] = __fmaf_rn(__fmul_rn(sa1, sb.y), frag[4 * j + 3], acc[4 * j + 3]);
-      }
-    };
-#endif
     // The leader's TMA boxes of this warpgroup's 64 x 128 slab: load C (accumulate) or store D. A box wholly
     // past the N or K edge is neither loaded nor stored; TMA clips the partial ones.
     auto slab_boxes = [&](const KTile& tile, bool load) {
@@ -277,18 +239,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
           next.advance();
           wait_block(next, min(128, tile.tokens - 128 * (j + 1)));
           issue(nxt, next);
-#if MEGATRON_TMA_KG_PREFETCH_SCALES
-          float2 sb[MEGATRON_TMA_KG_PREFETCH_SCALES];
-          float sa0, sa1;
-          load_scales(st, sa0, sa1, sb);
-          wgmma_wait<1>();  // block j is complete; j+1 may still run
-          fence_regs(cur);
-          promote_prefetched(cur, st, sa0, sa1, sb);
-#else
           wgmma_wait<1>();  // block j is complete; j+1 may still run
           fence_regs(cur);
           promote(cur, st);  // reads block j's scales from its slot: release after
-#endif
           pipe.consumer_release(st, lane);
           st.advance();
         };

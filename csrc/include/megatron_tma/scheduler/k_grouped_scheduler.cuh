@@ -6,10 +6,6 @@
 // running at one time share dY^T rows in L2.
 #pragma once
 
-#ifndef MEGATRON_TMA_KG_GROUP_MINOR
-#define MEGATRON_TMA_KG_GROUP_MINOR 0
-#endif
-
 namespace megatron_tma {
 
 struct KTile {
@@ -30,15 +26,9 @@ struct KGroupedScheduler {
 
   __device__ __forceinline__ KTile get(int t) const {
     KTile tile;
-#if MEGATRON_TMA_KG_GROUP_MINOR
-    // LAB variant: groups fastest, so that a wave mixes large and small groups.
-    tile.group = t % num_groups;
-    const int local = t / num_groups;
-#else
     const int per_group = n_blocks * k_blocks;
     tile.group = t / per_group;
     const int local = t - tile.group * per_group;
-#endif
     tile.n_block = local / k_blocks;
     tile.k_block = local - tile.n_block * k_blocks;
     tile.token_start = token_off[tile.group];
