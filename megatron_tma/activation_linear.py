@@ -2,12 +2,13 @@
 `recompute_modules=["moe_act"]` for the FP8 expert MLP (`GroupedFP8MLP(recompute_activation=True)`).
 
 The MLP otherwise keeps two things for the backward of its second half: h (BF16 `[T, 2F]` for SwiGLU, `[T, F]`
-otherwise), which the activation's backward reads, and the per-group FP8 columns of z = act(h) * probs (`[T, F]`
-bytes plus scales), which fc2's weight gradient reads. Here the forward keeps h and the probs only. The backward
-recomputes z with the same kernel (the same bits: every element comes from its own row of h), quantizes its
-columns, runs fc2's backward and then the activation's. Saved: F bytes per routed token (about 12% of the
-layer's saved activations at DeepSeek-V3's H = 7168, F = 2048). Paid: one activation pass and one column
-quantization of z in backward (the forward quantizes z's rows only, instead of rows and columns in one pass).
+otherwise), which the activation's backward reads, and the per-group FP8 columns of z = act(h) * probs (`[F, P]`
+bytes, P = round_up(T, 16) + 16 G, plus scales), which fc2's weight gradient reads. Here the forward keeps h and the
+probs only. The backward recomputes z with the same kernel (the same bits: every element comes from its own row of
+h), quantizes its columns, runs fc2's backward and then the activation's. Saved: F bytes per routed token and 16 F
+per expert (about 12% of the layer's saved activations at DeepSeek-V3's H = 7168, F = 2048). Paid: one activation
+pass and one column quantization of z in backward (the forward quantizes z's rows only, instead of rows and columns
+in one pass).
 The results equal `activation_times_probs` followed by `fp8_grouped_linear` bit for bit
 (tests/test_activation_linear.py on the reference backend, tests/test_mlp_gpu.py on the kernels), so the padded twin
 stays the oracle.

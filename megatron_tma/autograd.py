@@ -280,15 +280,15 @@ def linear_backward(dy, groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, nu
         del dyq, dy_s
     wgrads = [None] * len(weights)
     if need_dw:
-        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
+        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, num_groups, backend)
     return dx, wgrads
 
 
-def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
+def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, num_groups, backend):
     """Route dW = dY^T . X to `.grad` (returned) or into `main_grad` (accumulated; None returned)."""
 
-    def wgrad(**kw):
-        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, **kw)
+    def wgrad(**kw):  # G given: the groups may be offsets [G+1]
+        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, num_groups=num_groups, **kw)
 
     main = [getattr(w, "main_grad", None) for w in weights]
     if all(m is None for m in main):

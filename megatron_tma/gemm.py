@@ -12,7 +12,7 @@ import torch
 
 from . import _ext
 from ._validate import FP8, check_same_device, check_tensor
-from .groups import debug_checks_enabled, normalize_groups
+from .groups import check_wgrad_columns, debug_checks_enabled, normalize_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm"]
 
@@ -145,31 +145,59 @@ if _ext.has_extension():
         return None
 
 
-def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales):
+def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups):
+    """The wgrad rules of DESIGN §4 (metadata only, plus the groups' values where they are on the host or debug
+    checks are on); returns (groups, device, N, K, G)."""
     for t, name in ((dy_t, "dy_t"), (x_t, "x_t")):
         check_tensor(t, name, (FP8,), dim=2, contiguous=False)
-        if t.stride(1) != 1 or (t.shape[1] > 0 and (t.stride(0) % 16 != 0 or not t.shape[1] <= t.stride(0) <= t.shape[1] + 15)):
+        if t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % 16 != 0 or t.stride(0) < t.shape[1]):
             raise ValueError(
-                f"{name} must be the token-contiguous [rows, M_total] view from quantize_grouped_128x1 "
-                f"(row pitch in [M_total, M_total + 15], a multiple of 16), got strides {t.stride()}"
+                f"{name} must be the token-contiguous [rows, P] operand of quantize_grouped_128x1 (unit column "
+                f"stride, row pitch a multiple of 16 and >= P), got strides {t.stride()} for shape {list(t.shape)}"
             )
-    n, m = dy_t.shape
-    k, m2 = x_t.shape
-    if m2 != m:
-        raise ValueError(f"dy_t covers {m} tokens but x_t covers {m2}")
+    n, p = dy_t.shape
+    k, p2 = x_t.shape
+    if p2 != p:
+        raise ValueError(f"dy_t and x_t must have the same token columns P, got dy_t {list(dy_t.shape)} and "
+                         f"x_t {list(x_t.shape)}")
+    if p > 0 and dy_t.stride(0) != x_t.stride(0):
+        raise ValueError(f"dy_t and x_t must have the same row pitch, got {dy_t.stride(0)} and {x_t.stride(0)}")
+    if p % 16 != 0:
+        raise ValueError(f"P (the token columns of dy_t and x_t) must be a multiple of 16 (quantize_grouped_128x1 "
+                         f"gives round_up(M_total, 16) + 16 G), got P={p}")
     if n == 0 or n % 16 != 0 or k == 0 or k % 16 != 0:
         raise ValueError(f"N and K must be positive multiples of 16, got N={n}, K={k}")
     check_tensor(dy_t_scales, "dy_t_scales", (torch.float32,), dim=2)
     check_tensor(x_t_scales, "x_t_scales", (torch.float32,), dim=2)
-    g = dy_t_scales.shape[0] - m // 128
-    if g < 1:
-        raise ValueError(f"dy_t_scales must have M_total // 128 + G rows, got {dy_t_scales.shape[0]} for M_total={m}")
-    if tuple(dy_t_scales.shape) != (m // 128 + g, n) or tuple(x_t_scales.shape) != (m // 128 + g, k):
+    mb = dy_t_scales.shape[0]
+    if tuple(dy_t_scales.shape) != (mb, n) or tuple(x_t_scales.shape) != (mb, k):
         raise ValueError(
-            f"token-block scales must be [M_total // 128 + G, N] and [M_total // 128 + G, K]; got "
-            f"{list(dy_t_scales.shape)} and {list(x_t_scales.shape)}"
+            f"token-block scales must be [MB, N] and [MB, K] with one MB (= M_total // 128 + G); got "
+            f"{list(dy_t_scales.shape)} and {list(x_t_scales.shape)} for N={n}, K={k}"
         )
-    return m, n, k, g
+    if out is not None:  # G comes from out, then num_groups, then the groups' length (sizes)
+        check_tensor(out, "out", (torch.float32, torch.bfloat16), dim=3)
+        if num_groups is not None and num_groups != out.shape[0]:
+            raise ValueError(f"out holds G={out.shape[0]} groups but num_groups={num_groups}")
+        num_groups = out.shape[0]
+    device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales, groups=groups,
+                               out=out)
+    # M_total is not known here (P only bounds it), so the groups' sum is not checked against it; the host check
+    # below bounds the groups by what the operands hold.
+    groups, is_offsets = normalize_groups(groups, num_groups, name="groups")
+    g = groups.numel() - int(is_offsets)
+    if mb < g:
+        raise ValueError(f"token-block scales must have M_total // 128 + G >= G rows, got MB={mb} for G={g}"
+                         + ("" if num_groups is not None else
+                            " (G = the length of groups, read as sizes: offsets [G+1] need num_groups=G or out)"))
+    if p < 16 * g + 128 * (mb - g):
+        raise ValueError(
+            f"inconsistent wgrad operands: P >= 16 G + 128 (MB - G) must hold (every quantize_grouped_128x1 output "
+            f"has P = round_up(M_total, 16) + 16 G and MB = M_total // 128 + G), got P={p}, G={g}, MB={mb}"
+        )
+    if groups.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
+        check_wgrad_columns(groups, is_offsets, p, mb)
+    return groups, device, n, k, g
 
 
 def k_grouped_fp8_gemm(
@@ -182,11 +210,16 @@ def k_grouped_fp8_gemm(
     accumulate: bool = False,
     out_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
+    *,
+    num_groups: Optional[int] = None,
 ) -> torch.Tensor:
     """Weight gradient `out[g] = dY_g^T . X_g` over each group's own tokens (any count, 0 included).
 
-    dy_t / x_t: the token-contiguous `[N, M]` / `[K, M]` operands of `quantize_grouped_128x1`, with their
-    `[M // 128 + G, N]` / `[M // 128 + G, K]` token-block scales (G is read off the scale shapes).
+    dy_t / x_t: the token-contiguous `[N, P]` / `[K, P]` operands of `quantize_grouped_128x1` (group g's tokens at
+    columns `[a_g, a_g + M_g)`, `a_g = sum_{h<g} round_up(M_h, 16)`; the same P and row pitch, both multiples of 16),
+    with their `[MB, N]` / `[MB, K]` token-block scales (`MB = M // 128 + G`; `P >= 16 G + 128 (MB - G)` is checked).
+    G is `out.shape[0]` when `out` is given, else `num_groups`, else `groups` holds sizes and G is its length
+    (offsets `[G+1]` need `num_groups` or `out`).
     accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty
     group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype
     (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous and start on an element pair
@@ -194,18 +227,17 @@ def k_grouped_fp8_gemm(
     """
     op = _ext.fast_op("k_grouped_fp8_gemm_out", backend, dy_t) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None and (out is not None or not accumulate) and out_dtype in (torch.float32, torch.bfloat16):
-        try:  # as in m_grouped_fp8_gemm
+        try:  # as in m_grouped_fp8_gemm; the op takes G from out
             res = out
             if res is None:
-                g = dy_t_scales.shape[0] - dy_t.shape[1] // 128
+                g = groups.numel() if num_groups is None else num_groups
                 res = torch.empty((g, dy_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=dy_t.device)
-            op(dy_t, dy_t_scales, x_t, x_t_scales, groups, res, accumulate)
-            return res
+            if num_groups is None or (num_groups >= 1 and res.shape[0] == num_groups):
+                op(dy_t, dy_t_scales, x_t, x_t_scales, groups, res, accumulate)
+                return res
         except Exception:
             pass
-    m, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales)
-    device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales, groups=groups, out=out)
-    groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
+    groups, device, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:
@@ -213,7 +245,6 @@ def k_grouped_fp8_gemm(
             raise ValueError("accumulate=True needs the FP32 buffer to accumulate into as `out`")
         out = torch.empty((g, n, k), dtype=out_dtype, device=device)
     else:
-        check_tensor(out, "out", (torch.float32, torch.bfloat16), dim=3)
         if tuple(out.shape) != (g, n, k):
             raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
         if accumulate and out.dtype != torch.float32:
@@ -228,7 +259,8 @@ def k_grouped_fp8_gemm(
     from . import reference
 
     result = reference.k_grouped_fp8_gemm(
-        dy_t, dy_t_scales, x_t, x_t_scales, groups, out=out if accumulate else None, accumulate=accumulate
+        dy_t, dy_t_scales, x_t, x_t_scales, groups, out=out if accumulate else None, accumulate=accumulate,
+        num_groups=g,
     )
     if result is not out:
         out.copy_(result)

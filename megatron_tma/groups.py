@@ -12,11 +12,12 @@ tensor on the host:
   sum to M_total, decreasing offsets) are clamped by the kernels -- negative sizes count as 0 and
   totals are capped at M_total -- so memory stays safe, but the results are undefined.
 * ``sizes_to_offsets``, ``offsets_to_sizes``, ``padded_sizes``, ``token_block_counts``,
-  ``token_block_offsets`` are tensor ops on the same device (no sync, capturable; they also work on
-  ``meta`` tensors, which is how the tests prove they never read values).
+  ``token_block_offsets``, ``aligned_token_offsets`` are tensor ops on the same device (no sync, capturable;
+  they also work on ``meta`` tensors, which is how the tests prove they never read values). ``max_tiles`` and
+  ``wgrad_pitch`` are host bounds from M_total and G alone.
 * The functions that do read values say so in their names or docstrings: ``check_groups_values``,
-  ``host_group_sizes`` (oracle and tests), ``tile_map`` (reference tile list for tests) and
-  ``make_group_sizes`` (benchmark/test generator, CPU only).
+  ``check_wgrad_columns``, ``host_group_sizes`` (oracle and tests), ``tile_map`` (reference tile list for
+  tests) and ``make_group_sizes`` (benchmark/test generator, CPU only).
 """
 import os
 from typing import List, Optional, Tuple, Union
@@ -54,6 +55,35 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def _check_group_tensor(groups, name: str) -> None:
+    """Type, dtype and rank of a group tensor (metadata only)."""
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of group sizes [G] or offsets [G+1] (int32 or int64), "
+            f"got {type(groups).__name__}"
+        )
+    if groups.dtype not in GROUP_DTYPES:
+        raise TypeError(f"{name} must have dtype int32 or int64, got {str(groups.dtype).replace('torch.', '')}")
+    if groups.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (sizes [G] or offsets [G+1]), got shape {tuple(groups.shape)}")
+
+
+def _holds_offsets(groups: torch.Tensor, num_groups: Optional[int], name: str) -> bool:
+    """Whether a (checked) group tensor holds offsets, from its length and num_groups (metadata only)."""
+    length = groups.numel()
+    if num_groups is None:
+        if length == 0:
+            raise ValueError(f"{name} is empty: expected G >= 1 group sizes")
+        return False
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    if length == num_groups:
+        return False
+    if length == num_groups + 1:
+        return True
+    raise ValueError(f"{name} has {length} entries: expected G sizes or G+1 offsets with G={num_groups}")
+
+
 def normalize_groups(
     groups,
     num_groups: Optional[int] = None,
@@ -69,33 +99,10 @@ def normalize_groups(
     the groups must share. ``m_total`` (the data's row count) is only used by the value checks.
     The dtype is kept (the kernels read int32 and int64 alike); no copy unless the tensor is strided.
     """
-    if not isinstance(groups, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor of group sizes [G] or offsets [G+1] (int32 or int64), "
-            f"got {type(groups).__name__}"
-        )
-    if groups.dtype not in GROUP_DTYPES:
-        raise TypeError(f"{name} must have dtype int32 or int64, got {str(groups.dtype).replace('torch.', '')}")
-    if groups.dim() != 1:
-        raise ValueError(f"{name} must be 1-D (sizes [G] or offsets [G+1]), got shape {tuple(groups.shape)}")
+    _check_group_tensor(groups, name)
     if device is not None and not _same_device(groups.device, torch.device(device)):
         raise ValueError(f"{name} must be on the data's device {torch.device(device)}, got {groups.device}")
-    length = groups.numel()
-    if num_groups is None:
-        if length == 0:
-            raise ValueError(f"{name} is empty: expected G >= 1 group sizes")
-        is_offsets = False
-    else:
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        if length == num_groups:
-            is_offsets = False
-        elif length == num_groups + 1:
-            is_offsets = True
-        else:
-            raise ValueError(
-                f"{name} has {length} entries: expected G sizes or G+1 offsets with G={num_groups}"
-            )
+    is_offsets = _holds_offsets(groups, num_groups, name)
     groups = groups.contiguous()
     if groups.device.type == "cpu" or debug_checks_enabled():
         check_groups_values(groups, is_offsets, m_total, name=name)
@@ -194,6 +201,58 @@ def token_block_offsets(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
     return sizes_to_offsets(token_block_counts(sizes, block))
 
 
+# The wgrad operands' 16-aligned token columns (DESIGN §4, docs/layouts.md): group g's tokens sit at columns
+# [a_g, a_g + M_g) of qt [K, P], a_g = sum_{h<g} round_up(M_h, 16); P is allocated at its upper bound.
+WGRAD_ALIGN = 16
+
+
+def wgrad_pitch(m_total: int, num_groups: int) -> int:
+    """P, the token columns of the wgrad operands: ``round_up(m_total, 16) + 16 * num_groups``.
+
+    The upper bound of ``a_G = sum_g round_up(M_g, 16)`` over all groupings of m_total rows into num_groups groups
+    (each group adds at most 15 columns, and 16 G covers them whatever round_up(m_total, 16) adds); from host ints
+    only, so the quantizers allocate ``[K, P]`` without reading the sizes.
+    """
+    if m_total < 0:
+        raise ValueError(f"m_total must be >= 0, got {m_total}")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    return (m_total + WGRAD_ALIGN - 1) // WGRAD_ALIGN * WGRAD_ALIGN + WGRAD_ALIGN * num_groups
+
+
+def aligned_token_offsets(groups: torch.Tensor, num_groups: Optional[int] = None) -> torch.Tensor:
+    """a_g = sum_{h<g} round_up(M_h, 16) as int64 [G+1] (``a_G`` last): each group's first column in the wgrad
+    operands. ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (as ``normalize_groups``); negative
+    sizes count as 0, as in the kernels. A tensor op on the groups' device: no host read, no sync."""
+    _check_group_tensor(groups, "groups")
+    sizes = group_sizes(groups, _holds_offsets(groups, num_groups, "groups"))
+    out = torch.zeros(sizes.numel() + 1, dtype=torch.int64, device=sizes.device)
+    torch.cumsum(padded_sizes(sizes.to(torch.int64).clamp(min=0), WGRAD_ALIGN), 0, out=out[1:])
+    return out
+
+
+def check_wgrad_columns(groups: torch.Tensor, is_offsets: bool, pitch_cols: int, scale_rows: int,
+                        *, name: str = "groups") -> None:
+    """The group sizes fit the wgrad operands: ``sum_g round_up(M_g, 16) <= P`` (tokens inside qt's columns) and
+    ``sum_g ceil(M_g/128) <= MB`` (blocks inside the scale rows). READS THE GROUPS ON THE HOST (a sync for device
+    tensors): for the reference, CPU tensors and debug checks. Values are assumed checked (non-negative sizes)."""
+    vals = groups.detach().cpu().tolist()
+    sizes = [vals[i + 1] - vals[i] for i in range(len(vals) - 1)] if is_offsets else vals
+    cols = sum(-(-m // WGRAD_ALIGN) * WGRAD_ALIGN for m in sizes)
+    hint = "" if is_offsets else " (offsets [G+1] need num_groups=G or out: without them the tensor holds sizes)"
+    if cols > pitch_cols:
+        raise ValueError(
+            f"{name}: the groups need sum_g round_up(M_g, 16) = {cols} token columns, but the wgrad operands have "
+            f"P = {pitch_cols}{hint}"
+        )
+    blocks = sum(-(-m // 128) for m in sizes)
+    if blocks > scale_rows:
+        raise ValueError(
+            f"{name}: the groups have sum_g ceil(M_g/128) = {blocks} token blocks, but the token-block scales have "
+            f"{scale_rows} rows{hint}"
+        )
+
+
 def tile_map(sizes, block_m: int) -> torch.Tensor:
     """Reference tile list for tests. READS THE SIZES ON THE HOST.
 
@@ -285,7 +344,7 @@ def check_m_grouped_dims(n: int, k: int, op: str = "m_grouped_fp8_gemm") -> None
 
 
 def check_k_grouped_dims(n: int, k: int, op: str = "k_grouped_fp8_gemm") -> None:
-    """Wgrad dW[G, N, K] = dY^T[N, M] . X^T[K, M]^T (tokens contracted): N % 16 and K % 16."""
+    """Wgrad dW[G, N, K] = dY^T[N, P] . X^T[K, P]^T (each group's token columns contracted): N % 16 and K % 16."""
     _check_multiple(op, "N", n, 16, "the kernel tiles the rows of dY^T in steps of 16")
     _check_multiple(op, "K", k, 16, "the output rows must keep TMA's 16-byte stride alignment "
                     "and the kernel tiles the rows of X^T in steps of 16")

@@ -4,8 +4,9 @@
   128 columns; ``s`` is an M-contiguous ``[M, ceil(K/128)]`` view.
 * ``quantize_128x128``: weights, one scale per 128x128 block, plus the transposed copy (same bytes,
   transposed scales) that dgrad multiplies with.
-* ``quantize_grouped_128x1``: wgrad operands, token-contiguous ``qt [K, M]`` with one scale per column
-  per 128-token block of each group (blocks start at a group's first row).
+* ``quantize_grouped_128x1``: wgrad operands, token-contiguous ``qt [K, P]`` (every group starting on a
+  16-column boundary, zeros between groups and after the last) with one scale per column per 128-token
+  block of each group (blocks start at a group's first row).
 * ``quantize_1x128_and_grouped_128x1``: the first and the third from one read of x (the backward needs
   dY in both forms, the forward can keep X^T for wgrad): the same outputs, a third less memory traffic.
 
@@ -27,7 +28,7 @@ import torch
 
 from . import _ext
 from ._validate import FP8, check_tensor
-from .groups import normalize_groups
+from .groups import normalize_groups, wgrad_pitch
 
 __all__ = [
     "quantize_1x128",
@@ -128,9 +129,12 @@ def quantize_grouped_128x1(
     x: bf16/fp16 ``[M, K]``, contiguous, K % 16 == 0. groups: int32/int64 sizes ``[G]`` or offsets
     ``[G+1]`` on x's device (offsets need ``num_groups=G``; see ``groups.normalize_groups``), never
     read on the host by the CUDA backend; 1 <= G <= 8192.
-    Returns ``qt`` e4m3 ``[K, M]`` with strides ``(M_pitch, 1)`` (storage ``[K, M_pitch]``,
-    ``M_pitch = ceil(M/16)*16``, pitch columns 0) and ``s`` FP32 ``[M//128 + G, K]``: row ``B_g + j``
-    holds block j of group g (``B_g`` = blocks of the groups before g), rows past the last used block 0.
+    Returns ``qt`` e4m3 ``[K, P]``, contiguous, ``P = round_up(M, 16) + 16 G`` (``groups.wgrad_pitch``):
+    group g's tokens sit at columns ``[a_g, a_g + M_g)``, ``a_g = sum_{h<g} round_up(M_h, 16)``
+    (``groups.aligned_token_offsets``), and every other column is 0 (the <= 15 between groups and the
+    tail ``[a_G, P)``); and ``s`` FP32 ``[M//128 + G, K]``: row ``B_g + j`` holds block j of group g
+    (``B_g`` = blocks of the groups before g), rows past the last used block 0. M == 0 gives zeros
+    ``[K, 16 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
     """
     groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
     if _ext.use_cuda(backend, x.device):
@@ -187,8 +191,8 @@ def _fake_quantize_128x128(w, pow2=False):
 
 def _fake_quantize_grouped_128x1(x, groups, num_groups, pow2=False):
     m, k = x.shape
-    qt = x.new_empty((k, _cdiv(m, 16) * 16), dtype=FP8)
-    return qt[:, :m], x.new_empty((m // 128 + num_groups, k), dtype=torch.float32)
+    qt = x.new_empty((k, wgrad_pitch(m, num_groups)), dtype=FP8)  # contiguous [K, P]
+    return qt, x.new_empty((m // 128 + num_groups, k), dtype=torch.float32)
 
 
 def _fake_quantize_1x128_and_grouped_128x1(x, groups, num_groups, pow2=False):

@@ -205,9 +205,11 @@ def quantize_grouped_128x1(
     """Wgrad operands: one scale per column per 128-token block of each group. x [M, K] -> (qt, s).
 
     Blocks start at each group's first row (they never mix groups; a group's last block may be
-    partial; empty groups own none). ``qt`` is a [K, M] view with stride (M_pitch, 1) of e4m3 storage
-    [K, M_pitch], M_pitch = ceil(M/16)*16, pitch columns zero. ``s`` is FP32 [M//128 + G, K]:
-    row B_g + j holds block j of group g, rows past the last used block are 0.
+    partial; empty groups own none). ``qt`` is e4m3 [K, P], contiguous, P = round_up(M, 16) + 16 G
+    (``groups.wgrad_pitch``): group g's tokens sit at columns [a_g, a_g + M_g), a_g = sum_{h<g}
+    round_up(M_h, 16), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 15
+    between groups and the tail [a_G, P)). ``s`` is FP32 [M//128 + G, K]: row B_g + j holds block j of
+    group g, rows past the last used block are 0. M == 0 gives zeros [K, 16 G] and [G, K].
     ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.normalize_groups).
     """
     check_tensor(x, "x", _FLOAT_INPUTS, dim=2, contiguous=False)
@@ -220,11 +222,16 @@ def quantize_grouped_128x1(
     xp[dest] = x.to(torch.float32)  # zero padding rows leave each block's amax unchanged
     q, s = _quantize_blocks(xp.view(used, BLOCK, K), 1, pow2)
     q_rows = q.view(used * BLOCK, K).view(torch.uint8)[dest]
-    storage = torch.zeros(K, _cdiv(M, 16) * 16, dtype=torch.uint8, device=x.device)
-    storage[:, :M] = q_rows.t()
+    qt = torch.zeros(K, _groups.wgrad_pitch(M, G), dtype=torch.uint8, device=x.device)
+    qt[:, _aligned_columns(sizes, x.device)] = q_rows.t()
     scales = torch.zeros(_groups.max_tiles(M, G, BLOCK), K, dtype=torch.float32, device=x.device)
     scales[:used] = s.view(used, K)
-    return storage.view(FP8)[:, :M], scales
+    return qt.view(FP8), scales
+
+
+def _aligned_columns(sizes: List[int], device) -> torch.Tensor:
+    """The wgrad column of every token: a_g + t for token t of group g (groups start on 16-column boundaries)."""
+    return _padded_row_index(sizes, _groups.WGRAD_ALIGN, device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -242,21 +249,30 @@ def dequantize_128x128(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = to
 
 
 def dequantize_grouped_128x1(
-    qt: torch.Tensor, s: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype = torch.float32
+    qt: torch.Tensor,
+    s: torch.Tensor,
+    groups: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    num_groups: Optional[int] = None,
 ) -> torch.Tensor:
-    """Inverse of quantize_grouped_128x1, returned untransposed: [M, K]. G is read off s's shape."""
-    K, M = qt.shape
-    sizes = _groups.host_group_sizes(groups, _num_groups_from_token_scales(s, M, "s"), M, device=qt.device)
+    """Inverse of quantize_grouped_128x1, returned untransposed: [M, K] (M = the groups' total).
+
+    Group g's tokens are read at columns [a_g, a_g + M_g) of qt [K, P]. ``groups``: sizes [G], or offsets
+    [G+1] with ``num_groups`` = G (as the K-grouped GEMM: without num_groups the tensor holds sizes).
+    """
+    sizes = _wgrad_sizes(groups, num_groups, qt.shape[1], s.shape[0], qt.device)
+    cols = _aligned_columns(sizes, qt.device)
     block = _padded_row_index(sizes, BLOCK, qt.device) // BLOCK
-    return qt.t().to(dtype) * s.to(dtype)[block]
+    return qt.view(torch.uint8)[:, cols].view(FP8).t().to(dtype) * s.to(dtype)[block]
 
 
-def _num_groups_from_token_scales(s: torch.Tensor, m: int, name: str) -> int:
-    g = s.shape[0] - m // BLOCK
-    if s.dim() != 2 or g < 1:
-        raise ValueError(f"{name} must be [M//128 + G, ...] = [{m // BLOCK} + G, ...] with G >= 1, "
-                         f"got shape {tuple(s.shape)}")
-    return g
+def _wgrad_sizes(groups, num_groups: Optional[int], p: int, mb: int, device) -> List[int]:
+    """Host group sizes of wgrad operands with P token columns and MB scale rows, checked to fit both."""
+    t, is_offsets = _groups.normalize_groups(groups, num_groups, device=device)
+    sizes = _groups.host_group_sizes(t, num_groups, device=device)
+    _groups.check_wgrad_columns(t, is_offsets, p, mb)
+    return sizes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,50 +340,61 @@ def k_grouped_fp8_gemm(
     out: Optional[torch.Tensor] = None,
     accumulate: bool = False,
     out_dtype: Optional[torch.dtype] = None,
+    *,
+    num_groups: Optional[int] = None,
 ) -> torch.Tensor:
     """dW_g = dY_g^T . X_g, tokens contracted, with the DESIGN §3 accumulation; returns [G, N, K].
 
-    dy_t [N, M] and x_t [K, M] e4m3 (token-contiguous, any row pitch) with per-group token-block
-    scales dy_s [M//128 + G, N] and x_s [M//128 + G, K] (quantize_grouped_128x1); G is read off
-    their shape. For each group, ``acc`` runs over the group's token blocks in ascending order with
-    ``sa = dy_s[b, n]``, ``sb = x_s[b, k]``. Output: ``acc`` (empty group: 0), or with ``out=C,
-    accumulate=True`` ``C + acc`` as one FP32 add after the whole accumulation (empty group: C left
-    untouched). The result is written into ``out`` when given; otherwise a new tensor of out_dtype
-    (default float32) is returned.
+    dy_t [N, P] and x_t [K, P] e4m3 (token-contiguous, any row pitch) in the 16-aligned layout of
+    quantize_grouped_128x1: group g contracts over columns [a_g, a_g + M_g), a_g = sum_{h<g}
+    round_up(M_h, 16), with the per-group token-block scales dy_s [MB, N] and x_s [MB, K]. G is
+    ``out.shape[0]`` when out is given, else ``num_groups``, else ``groups`` holds sizes and G is its
+    length (offsets [G+1] need num_groups or out). For each group, ``acc`` runs over the group's token
+    blocks [a_g + 128 j, min(a_g + 128 (j+1), a_g + M_g)) in ascending order with ``sa = dy_s[B_g + j, n]``,
+    ``sb = x_s[B_g + j, k]``. Output: ``acc`` (empty group: 0), or with ``out=C, accumulate=True``
+    ``C + acc`` as one FP32 add after the whole accumulation (empty group: C left untouched). The result
+    is written into ``out`` when given; otherwise a new tensor of out_dtype (default float32) is returned.
     """
     check_tensor(dy_t, "dy_t", (FP8,), dim=2, contiguous=False)
     check_tensor(x_t, "x_t", (FP8,), dim=2, contiguous=False)
-    N, M = dy_t.shape
-    K, Mx = x_t.shape
-    if Mx != M:
-        raise ValueError(f"dy_t is [N, M] = {tuple(dy_t.shape)} but x_t is [K, M] = {tuple(x_t.shape)}: M differs")
+    N, P = dy_t.shape
+    K, Px = x_t.shape
+    if Px != P:
+        raise ValueError(f"dy_t is [N, P] = {tuple(dy_t.shape)} but x_t is [K, P] = {tuple(x_t.shape)}: P differs")
     check_tensor(dy_s, "dy_s", (torch.float32,), dim=2)
     check_tensor(x_s, "x_s", (torch.float32,), dim=2)
-    G = _num_groups_from_token_scales(dy_s, M, "dy_s")
-    if tuple(dy_s.shape) != (M // BLOCK + G, N) or tuple(x_s.shape) != (M // BLOCK + G, K):
-        raise ValueError(f"dy_s and x_s must be [M//128 + G, N] and [M//128 + G, K] = "
-                         f"{(M // BLOCK + G, N)} and {(M // BLOCK + G, K)}, got {tuple(dy_s.shape)} "
-                         f"and {tuple(x_s.shape)}")
+    MB = dy_s.shape[0]
+    if tuple(dy_s.shape) != (MB, N) or tuple(x_s.shape) != (MB, K):
+        raise ValueError(f"dy_s and x_s must be [MB, N] and [MB, K] with one MB (= M//128 + G), got "
+                         f"{tuple(dy_s.shape)} and {tuple(x_s.shape)} for N={N}, K={K}")
+    if out is not None:
+        check_tensor(out, "out", (torch.float32, torch.bfloat16), contiguous=False)
+        if out.dim() != 3:
+            raise ValueError(f"out must be [G, N, K], got shape {tuple(out.shape)}")
+        if num_groups is not None and num_groups != out.shape[0]:
+            raise ValueError(f"out holds {out.shape[0]} groups but num_groups={num_groups}")
+        num_groups = out.shape[0]
+    sizes = _wgrad_sizes(groups, num_groups, P, MB, dy_t.device)
+    G = len(sizes)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out= (the buffer C of D = C + A.B)")
         out = torch.empty(G, N, K, dtype=out_dtype or torch.float32, device=dy_t.device)
     else:
-        check_tensor(out, "out", (torch.float32, torch.bfloat16), contiguous=False)
         if tuple(out.shape) != (G, N, K):
             raise ValueError(f"out must be [G, N, K] = {(G, N, K)}, got {tuple(out.shape)}")
         if out_dtype is not None and out.dtype != out_dtype:
             raise ValueError(f"out has dtype {out.dtype} but out_dtype={out_dtype}")
-    sizes = _groups.host_group_sizes(groups, G, M, device=dy_t.device)
-    block = 0
-    for g, r0, r1 in _group_rows(sizes):
-        if r0 == r1:
+    block, col = 0, 0
+    for g, m in enumerate(sizes):
+        a_g, col = col, col + _cdiv(m, _groups.WGRAD_ALIGN) * _groups.WGRAD_ALIGN
+        if m == 0:
             if not accumulate:
                 out[g] = 0
             continue
         acc = torch.zeros(N, K, dtype=torch.float32, device=dy_t.device)
-        for t0 in range(r0, r1, BLOCK):
-            ts = slice(t0, min(r1, t0 + BLOCK))
+        for t0 in range(0, m, BLOCK):
+            ts = slice(a_g + t0, a_g + min(m, t0 + BLOCK))
             p = (dy_t[:, ts].to(torch.float64) @ x_t[:, ts].to(torch.float64).t()).to(torch.float32)
             sasb = dy_s[block].unsqueeze(1) * x_s[block].unsqueeze(0)  # FP32 product
             acc = _fma32(sasb, p, acc)
@@ -393,12 +420,12 @@ def m_grouped_ref64(a, a_s, b, b_s, groups) -> torch.Tensor:
     return out
 
 
-def k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups) -> torch.Tensor:
-    """float64 dY_g^T . X_g from the dequantized operands (the accuracy reference, [G, N, K])."""
-    M = dy_t.shape[1]
-    dy64 = dequantize_grouped_128x1(dy_t, dy_s, groups, torch.float64)
-    x64 = dequantize_grouped_128x1(x_t, x_s, groups, torch.float64)
-    sizes = _groups.host_group_sizes(groups, _num_groups_from_token_scales(dy_s, M, "dy_s"), M)
+def k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, *, num_groups: Optional[int] = None) -> torch.Tensor:
+    """float64 dY_g^T . X_g from the dequantized operands (the accuracy reference, [G, N, K]). G as in
+    k_grouped_fp8_gemm without out: ``num_groups``, else the length of ``groups`` (sizes)."""
+    dy64 = dequantize_grouped_128x1(dy_t, dy_s, groups, torch.float64, num_groups=num_groups)
+    x64 = dequantize_grouped_128x1(x_t, x_s, groups, torch.float64, num_groups=num_groups)
+    sizes = _groups.host_group_sizes(groups, num_groups)
     out = torch.zeros(len(sizes), dy64.shape[1], x64.shape[1], dtype=torch.float64, device=dy_t.device)
     for g, r0, r1 in _group_rows(sizes):
         out[g] = dy64[r0:r1].t() @ x64[r0:r1]

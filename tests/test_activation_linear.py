@@ -62,6 +62,22 @@ def test_unpadded_equals_padded_twin_when_recomputing(one_thread, gen):
     _assert_equal(_step(ours, x, sizes, p, dy), _step(twin, x, sizes, p, dy))
 
 
+def test_groups_as_offsets(one_thread, gen):
+    """Offsets [G+1] through the recomputing Function: fc2's weight gradient is told G (the columns' quantizer and the
+    K-grouped GEMM), so the bits are those of the sizes."""
+    _, sizes, _, dy = _inputs(gen, [0, 17, 129, 15])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)]).int()
+    torch.manual_seed(1)
+    w = (0.05 * torch.randn(G, H, FFN)).bfloat16()
+    h = torch.randn(sum([0, 17, 129, 15]), 2 * FFN, generator=gen).bfloat16()
+    grads = []
+    for groups in (sizes, offsets):
+        weight = w.clone().requires_grad_()
+        fp8_activation_grouped_linear(h, None, "swiglu", weight, groups, backend="reference").backward(dy)
+        grads.append(weight.grad)
+    assert torch.equal(*grads)
+
+
 def _saved_bytes(module, x, sizes, p):
     """Bytes the forward keeps for backward (each storage counted once)."""
     seen = {}

@@ -258,6 +258,22 @@ def test_groups_as_offsets(gen):
     ya, dxa = _linear_grads(x, a, sizes, dy)
     yb, dxb = _linear_grads(x, b, offsets, dy)
     assert torch.equal(ya, yb) and torch.equal(dxa, dxb) and torch.equal(a.grad, b.grad)
+    # The wgrad GEMM is told G (offsets [G+1] alone would read as G+1 sizes): FP32 main_grad accumulated in place,
+    # BF16 main_grad through an FP32 temporary, and weight gradients only (dY's columns quantized alone).
+    for dtype in (torch.float32, torch.bfloat16):
+        mains = []
+        for groups in (sizes, offsets):
+            weight = w.clone().requires_grad_()
+            weight.main_grad = torch.full(w.shape, 0.5, dtype=dtype)
+            _linear_grads(x, weight, groups, dy)
+            mains.append(weight.main_grad)
+        assert torch.equal(*mains)
+    frozen_x = []
+    for groups in (sizes, offsets):
+        weight = w.clone().requires_grad_()
+        fp8_grouped_linear(x, weight, groups, backend="reference").backward(dy)
+        frozen_x.append(weight.grad)
+    assert torch.equal(frozen_x[0], a.grad) and torch.equal(frozen_x[1], a.grad)
 
 
 def _megatron_ddp_hook(w, i, fired):

@@ -114,3 +114,122 @@ def test_m_grouped_tile_without_the_extension_says_what_it_needs():
         pytest.skip("the extension is built here: tests/test_m_grouped_gpu.py covers the query")
     with pytest.raises(RuntimeError, match="needs the CUDA extension"):
         megatron_tma.m_grouped_tile(65536, 4096, 8)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# K-grouped (wgrad): the 16-aligned layout's rules (DESIGN §4, docs/layouts.md)
+# ------------------------------------------------------------------------------------------------------------------
+K_SIZES = [100, 0, 60]  # M = 160, G = 3: P = 160 + 48 = 208, MB = 1 + 3 = 4
+
+
+def _k_args(sizes=K_SIZES, n=64, k=128, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor(sizes, dtype=torch.int64)
+    m = int(sizes.sum())
+    xt, xs = R.quantize_grouped_128x1(torch.randn(m, k, generator=gen).bfloat16(), sizes)
+    dyt, dys = R.quantize_grouped_128x1(torch.randn(m, n, generator=gen).bfloat16(), sizes)
+    return dict(dy_t=dyt, dy_t_scales=dys, x_t=xt, x_t_scales=xs, groups=sizes)
+
+
+def _repitched(t, pitch):
+    """The same [rows, P] bytes in a wider row-major buffer (row pitch `pitch`)."""
+    buf = torch.zeros(t.shape[0], pitch, dtype=torch.uint8)
+    buf[:, : t.shape[1]] = t.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn)[:, : t.shape[1]]
+
+
+def test_k_grouped_num_groups_offsets_and_out():
+    from megatron_tma.gemm import k_grouped_fp8_gemm
+
+    args = _k_args()
+    assert args["x_t"].shape == (128, 208) and args["x_t"].is_contiguous()
+    want = k_grouped_fp8_gemm(**args)
+    assert want.shape == (3, 64, 128)
+    assert torch.equal(want, R.k_grouped_fp8_gemm(*args.values()))
+    offsets = torch.tensor([0, 100, 100, 160], dtype=torch.int32)
+    assert torch.equal(k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=3), want)
+    out = torch.full((3, 64, 128), float("nan"))
+    assert k_grouped_fp8_gemm(**{**args, "groups": offsets}, out=out) is out and torch.equal(out, want)
+    assert torch.equal(k_grouped_fp8_gemm(**args, num_groups=3), want)
+    # a wider row pitch (a multiple of 16, the same for both operands) reads the same columns
+    wide = {**args, "dy_t": _repitched(args["dy_t"], 256), "x_t": _repitched(args["x_t"], 256)}
+    assert torch.equal(k_grouped_fp8_gemm(**wide), want)
+
+
+def test_k_grouped_no_tokens():
+    """M == 0: the quantizers give [K, 16 G] zeros; the GEMM writes zeros, or leaves C when accumulating."""
+    from megatron_tma.gemm import k_grouped_fp8_gemm
+    from megatron_tma.quant import quantize_grouped_128x1
+
+    sizes = torch.zeros(4, dtype=torch.int32)
+    xt, xs = quantize_grouped_128x1(torch.zeros(0, 128, dtype=torch.bfloat16), sizes)
+    dyt, dys = quantize_grouped_128x1(torch.zeros(0, 64, dtype=torch.bfloat16), sizes)
+    assert xt.shape == (128, 64) and dyt.shape == (64, 64) and xs.shape == (4, 128)
+    out = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=torch.full((4, 64, 128), float("nan")))
+    assert torch.equal(out, torch.zeros_like(out))
+    c = torch.randn(4, 64, 128)
+    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=c.clone(), accumulate=True), c)
+
+
+F8 = torch.float8_e4m3fn
+K_BAD = [
+    ("dy_t dtype", lambda a: a.update(dy_t=a["dy_t"].float()), TypeError, "dy_t must have dtype float8_e4m3fn"),
+    ("x_t column-major", lambda a: a.update(x_t=a["x_t"].t().contiguous().t()), ValueError,
+     r"x_t must be the token-contiguous \[rows, P\] operand"),
+    ("x_t pitch not a multiple of 16", lambda a: a.update(x_t=_repitched(a["x_t"], 216)), ValueError,
+     r"x_t must be the token-contiguous .*row pitch a multiple of 16 and >= P"),
+    ("pitches differ", lambda a: a.update(x_t=_repitched(a["x_t"], 224)), ValueError,
+     "dy_t and x_t must have the same row pitch, got 208 and 224"),
+    ("P differs", lambda a: a.update(x_t=a["x_t"][:, :192]), ValueError,
+     "dy_t and x_t must have the same token columns P"),
+    ("P not a multiple of 16", lambda a: a.update(dy_t=a["dy_t"][:, :200], x_t=a["x_t"][:, :200]), ValueError,
+     r"P \(the token columns of dy_t and x_t\) must be a multiple of 16 .*got P=200"),
+    ("old [K, M] layout", lambda a: a.update(dy_t=a["dy_t"][:, :160], x_t=a["x_t"][:, :160]), ValueError,
+     r"inconsistent wgrad operands: P >= 16 G \+ 128 \(MB - G\) must hold .*got P=160, G=3, MB=4"),
+    ("scales of another M", lambda a: a.update(dy_t_scales=torch.zeros(6, 64), x_t_scales=torch.zeros(6, 128)),
+     ValueError, r"inconsistent wgrad operands: .*got P=208, G=3, MB=6"),
+    ("scale rows differ", lambda a: a.update(x_t_scales=a["x_t_scales"][:-1].contiguous()), ValueError,
+     r"token-block scales must be \[MB, N\] and \[MB, K\] with one MB"),
+    ("fewer scale rows than groups", lambda a: a.update(dy_t_scales=a["dy_t_scales"][:2].contiguous(),
+                                                         x_t_scales=a["x_t_scales"][:2].contiguous()),
+     ValueError, r"M_total // 128 \+ G >= G rows, got MB=2 for G=3"),
+    ("offsets without num_groups", lambda a: a.update(groups=torch.tensor([0, 100, 100, 160])), ValueError,
+     r"token columns, but the wgrad operands have P = 208 \(offsets \[G\+1\] need num_groups=G or out"),
+    ("groups past P", lambda a: a.update(groups=torch.tensor([100, 0, 100])), ValueError,
+     r"sum_g round_up\(M_g, 16\) = 224 token columns, but the wgrad operands have P = 208"),
+    ("groups length", lambda a: a.update(groups=a["groups"][:2], num_groups=3), ValueError, r"G sizes or G\+1 offsets"),
+    ("negative size", lambda a: a.update(groups=torch.tensor([100, -4, 64])), ValueError, "must be >= 0"),
+    ("num_groups vs out", lambda a: a.update(out=torch.zeros(3, 64, 128), num_groups=2), ValueError,
+     "out holds G=3 groups but num_groups=2"),
+    ("num_groups 0", lambda a: a.update(num_groups=0), ValueError, "num_groups must be >= 1"),
+    ("out shape", lambda a: a.update(out=torch.zeros(3, 64, 256)), ValueError,
+     r"out must be \[G, N, K\] = \[3, 64, 128\]"),
+    ("out dtype", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=torch.float16)), TypeError,
+     "out must have dtype"),
+    ("accumulate into bf16", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=torch.bfloat16), accumulate=True),
+     TypeError, "accumulate=True needs an FP32 out"),
+    ("accumulate without out", lambda a: a.update(accumulate=True), ValueError,
+     "accumulate=True needs the FP32 buffer"),
+    ("out_dtype", lambda a: a.update(out_dtype=torch.float16), TypeError, "out_dtype must be"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,exc,match", K_BAD, ids=[c[0] for c in K_BAD])
+def test_k_grouped_validation_messages(name, mutate, exc, match):
+    from megatron_tma.gemm import k_grouped_fp8_gemm
+
+    args = _k_args()
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        k_grouped_fp8_gemm(**args)
+
+
+def test_k_grouped_debug_checks_bound_the_groups_by_p(debug_checks):
+    """With debug checks on the groups are read on the host and must fit the operands: sum round_up(M_g, 16) <= P
+    (on the CPU they are checked anyway: the read is free)."""
+    from megatron_tma.gemm import k_grouped_fp8_gemm
+
+    args = _k_args()
+    with pytest.raises(ValueError, match=r"= 224 token columns, but the wgrad operands have P = 208"):
+        k_grouped_fp8_gemm(**{**args, "groups": torch.tensor([100, 0, 100])})
+    assert k_grouped_fp8_gemm(**args).shape == (3, 64, 128)

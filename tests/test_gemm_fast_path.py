@@ -103,3 +103,35 @@ def test_k_grouped_fast_path_allocates_out_and_defers_what_it_cannot_check(fake_
     with pytest.raises(ValueError, match=r"out must be \[G, N, K\]"):
         gemm.k_grouped_fp8_gemm(**args, out=torch.zeros(3, 64, 256))
     assert len(fake_op.calls) == 2
+
+
+def test_k_grouped_fast_path_takes_g_from_out_num_groups_or_sizes(fake_op):
+    """The op takes G from out.shape[0]: the wrapper allocates out with G = num_groups (offsets [G+1] need it) or
+    the number of sizes, and hands a given out through untouched."""
+    args = _k_args()
+    offsets = torch.tensor([0, 100, 100, 160])
+    out = gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=3)
+    assert out.shape == (3, 64, 128) and fake_op.calls[-1][4] is offsets and fake_op.calls[-1][5] is out
+    out = gemm.k_grouped_fp8_gemm(**args)  # sizes: G = 3 entries
+    assert out.shape == (3, 64, 128) and fake_op.calls[-1][5] is out
+    given = torch.empty(3, 64, 128)
+    assert gemm.k_grouped_fp8_gemm(**args, out=given, num_groups=3) is given and fake_op.calls[-1][5] is given
+    assert len(fake_op.calls) == 3
+    # num_groups that disagrees with out, or is not >= 1: the op is not tried, the Python path explains
+    with pytest.raises(ValueError, match="out holds G=3 groups but num_groups=2"):
+        gemm.k_grouped_fp8_gemm(**args, out=given, num_groups=2)
+    with pytest.raises(ValueError, match="num_groups must be >= 1, got 0"):
+        gemm.k_grouped_fp8_gemm(**args, num_groups=0)
+    assert len(fake_op.calls) == 3
+
+
+def test_k_grouped_refused_input_gets_the_layout_error(fake_op):
+    fake_op.refuse = True
+    args = _k_args()
+    with pytest.raises(ValueError, match=r"inconsistent wgrad operands"):
+        gemm.k_grouped_fp8_gemm(**{**args, "dy_t": args["dy_t"][:, :160], "x_t": args["x_t"][:, :160]})
+    with pytest.raises(ValueError, match=r"offsets \[G\+1\] need num_groups=G or out"):
+        gemm.k_grouped_fp8_gemm(**{**args, "groups": torch.tensor([0, 100, 100, 160])})
+    # a refusal the Python checks do not explain (here on the CPU: the reference backend) still gives a result
+    assert torch.equal(gemm.k_grouped_fp8_gemm(**args), R.k_grouped_fp8_gemm(*args.values()))
+    assert len(fake_op.calls) == 3

@@ -112,16 +112,39 @@ def _misaligned_f32(g, n, k):
     return torch.zeros(g * n * k + 4, device=DEV)[1:][: g * n * k].view(g, n, k)
 
 
+def _repitched(t, pitch):
+    """The same [rows, P] bytes in a wider row-major buffer (row pitch `pitch`)."""
+    buf = torch.zeros(t.shape[0], pitch, dtype=torch.uint8, device=t.device)
+    buf[:, : t.shape[1]] = t.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn)[:, : t.shape[1]]
+
+
+# _k_args(): M = 160, G = 3, so P = 160 + 48 = 208 and MB = 1 + 3 = 4 (the 16-aligned layout, DESIGN §4).
 K_BAD = [
     ("dy_t dtype", lambda a: a.update(dy_t=a["dy_t"].float()), TypeError, "dy_t must have dtype float8_e4m3fn"),
-    ("x_t pitch", lambda a: a.update(x_t=torch.zeros(128, 400, dtype=torch.float8_e4m3fn, device=DEV)[:, :160]),
-     ValueError, "x_t must be the token-contiguous"),
+    ("x_t column-major", lambda a: a.update(x_t=a["x_t"].t().contiguous().t()), ValueError,
+     "x_t must be the token-contiguous"),
+    ("x_t pitch not a multiple of 16", lambda a: a.update(x_t=_repitched(a["x_t"], 216)), ValueError,
+     "x_t must be the token-contiguous"),
+    ("pitches differ", lambda a: a.update(x_t=_repitched(a["x_t"], 224)), ValueError, "the same row pitch"),
+    ("P differs", lambda a: a.update(x_t=a["x_t"][:, :192]), ValueError, "the same token columns P"),
+    ("P not a multiple of 16", lambda a: a.update(dy_t=a["dy_t"][:, :200], x_t=a["x_t"][:, :200]), ValueError,
+     r"P \(the token columns of dy_t and x_t\) must be a multiple of 16"),
+    ("old [K, M] layout", lambda a: a.update(dy_t=a["dy_t"][:, :160], x_t=a["x_t"][:, :160]), ValueError,
+     r"inconsistent wgrad operands: P >= 16 G \+ 128 \(MB - G\)"),
+    ("scales of another M", lambda a: a.update(dy_t_scales=torch.zeros(6, 64, device=DEV),
+                                                x_t_scales=torch.zeros(6, 128, device=DEV)),
+     ValueError, "inconsistent wgrad operands"),
     ("scales rows", lambda a: a.update(x_t_scales=a["x_t_scales"][:-1].contiguous()), ValueError, "token-block scales"),
-    ("groups length", lambda a: a.update(groups=a["groups"][:2]), ValueError, "G sizes or G\\+1 offsets"),
+    ("fewer scale rows than groups", lambda a: a.update(dy_t_scales=a["dy_t_scales"][:2].contiguous(),
+                                                         x_t_scales=a["x_t_scales"][:2].contiguous()),
+     ValueError, r"M_total // 128 \+ G >= G rows"),
+    ("groups length", lambda a: a.update(groups=a["groups"][:2], num_groups=3), ValueError, "G sizes or G\\+1 offsets"),
     ("groups on cpu", lambda a: a.update(groups=a["groups"].cpu()), ValueError, "one device"),
     ("x_t_scales on cpu", lambda a: a.update(x_t_scales=a["x_t_scales"].cpu()), ValueError, "one device"),
     ("out shape", lambda a: a.update(out=torch.zeros(3, 64, 256, device=DEV)), ValueError, r"out must be \[G, N, K\]"),
-    ("out dtype", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=torch.float16, device=DEV)), TypeError, "out must have dtype"),
+    ("out dtype", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=torch.float16, device=DEV)), TypeError,
+     "out must have dtype"),
     ("accumulate into bf16", lambda a: a.update(out=torch.zeros(3, 64, 128, dtype=BF16, device=DEV), accumulate=True),
      TypeError, "accumulate=True needs an FP32 out"),
     ("out misaligned", lambda a: a.update(out=_misaligned_f32(3, 64, 128)), ValueError, "out must be 8-byte aligned"),
@@ -131,16 +154,17 @@ K_BAD = [
 
 @pytest.mark.parametrize("name,mutate,exc,match", K_BAD, ids=[c[0] for c in K_BAD])
 def test_k_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate, exc, match):
+    """The op takes G from out (here G = 3), the wrapper from out, num_groups or the sizes: both refuse."""
     args = _k_args()
     mutate(args)
     out, accumulate = args.pop("out", None), args.pop("accumulate", False)
-    out_dtype = args.pop("out_dtype", torch.float32)
+    out_dtype, num_groups = args.pop("out_dtype", torch.float32), args.pop("num_groups", None)
     op_out = out if out is not None else torch.zeros(3, 64, 128, dtype=out_dtype, device=DEV)
     with pytest.raises(RuntimeError):
         torch.ops.megatron_tma.k_grouped_fp8_gemm_out(
             args["dy_t"], args["dy_t_scales"], args["x_t"], args["x_t_scales"], args["groups"], op_out, accumulate)
     with pytest.raises(exc, match=match):
-        gemm.k_grouped_fp8_gemm(**args, out=out, accumulate=accumulate, out_dtype=out_dtype)
+        gemm.k_grouped_fp8_gemm(**args, out=out, accumulate=accumulate, out_dtype=out_dtype, num_groups=num_groups)
 
 
 def test_k_grouped_accumulate_needs_out_on_gpu():
@@ -159,6 +183,10 @@ def test_k_grouped_fast_and_full_paths_agree(full_path, out_dtype):
     fast_acc = c.clone()
     assert gemm.k_grouped_fp8_gemm(**args, out=fast_acc, accumulate=True) is fast_acc
     assert fast.dtype == out_dtype and torch.equal(fast, full) and torch.equal(fast_acc, full_acc)
+    # offsets [G+1]: the fast path allocates out with G = num_groups; the op then reads them as offsets
+    offsets = torch.cat([args["groups"].new_zeros(1), args["groups"].cumsum(0)])
+    fast_offsets = gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=4, out_dtype=out_dtype)
+    assert fast_offsets.shape == full.shape and torch.equal(fast_offsets, full)
 
 
 def test_torch_compile_runs_the_ops_and_the_wrappers():

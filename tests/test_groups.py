@@ -127,6 +127,9 @@ def test_device_helpers_never_read_values():
     assert G.offsets_to_sizes(G.sizes_to_offsets(meta)).shape == (7,)
     assert G.padded_sizes(meta, 128).shape == (7,)
     assert G.token_block_offsets(meta).shape == (8,)
+    a = G.aligned_token_offsets(meta)
+    assert a.shape == (8,) and a.dtype == torch.int64 and a.device.type == "meta"
+    assert G.aligned_token_offsets(torch.empty(8, dtype=torch.int32, device="meta"), num_groups=7).shape == (8,)
 
 
 def test_padded_sizes():
@@ -143,6 +146,66 @@ def test_token_blocks():
     assert G.token_block_counts(sizes).tolist() == [0, 1, 1, 1, 2, 3, 0]  # negative counts as 0
     assert G.token_block_offsets(sizes).tolist() == [0, 0, 1, 2, 3, 5, 8, 8]
     assert G.token_block_counts(sizes, 64).tolist() == [0, 1, 2, 2, 3, 5, 0]
+
+
+# The wgrad operands' 16-aligned token columns (DESIGN §4): a_g = sum_{h<g} round_up(M_h, 16), P at its bound.
+WGRAD_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0]
+WGRAD_STARTS = [0, 0, 16, 32, 48, 80, 208, 336, 480, 480]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_aligned_token_offsets(groups_format, dtype):
+    t = group_tensor(WGRAD_SIZES, (groups_format[0], dtype))
+    num_groups = len(WGRAD_SIZES) if groups_format[0] == "offsets" else None
+    a = G.aligned_token_offsets(t, num_groups)
+    assert a.dtype == torch.int64 and a.tolist() == WGRAD_STARTS
+    if num_groups is None:  # G entries with num_groups = G are sizes too
+        assert G.aligned_token_offsets(t, len(WGRAD_SIZES)).tolist() == WGRAD_STARTS
+    # one group; negative sizes count as 0 (as in the kernels)
+    assert G.aligned_token_offsets(torch.tensor([5])).tolist() == [0, 16]
+    assert G.aligned_token_offsets(torch.tensor([3, -7, 20], dtype=dtype)).tolist() == [0, 16, 16, 48]
+
+
+def test_aligned_token_offsets_errors():
+    with pytest.raises(ValueError, match=r"groups has 3 entries: expected G sizes or G\+1 offsets with G=5"):
+        G.aligned_token_offsets(torch.tensor([1, 2, 3]), 5)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        G.aligned_token_offsets(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="groups is empty"):
+        G.aligned_token_offsets(torch.zeros(0, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("m_total", [0, 1, 15, 16, 17, 1000])
+@pytest.mark.parametrize("num_groups", [1, 2, 9, 256])
+def test_wgrad_pitch_is_the_bound_of_the_aligned_columns(m_total, num_groups):
+    p = G.wgrad_pitch(m_total, num_groups)
+    assert p == -(-m_total // 16) * 16 + 16 * num_groups and p % 16 == 0
+    for dist in ("paper", "skewed", "with_empty", "one_group"):
+        sizes = G.make_group_sizes(m_total, num_groups, dist, seed=m_total + num_groups)
+        assert int(G.aligned_token_offsets(sizes)[-1]) <= p
+    # the worst case: every group one past a multiple of 16
+    ones = torch.tensor([1] * min(num_groups, m_total) + [0] * max(0, num_groups - m_total))
+    ones[0] += m_total - int(ones.sum())
+    assert int(G.aligned_token_offsets(ones)[-1]) <= p
+
+
+def test_wgrad_pitch_errors():
+    with pytest.raises(ValueError, match="m_total must be >= 0, got -1"):
+        G.wgrad_pitch(-1, 2)
+    with pytest.raises(ValueError, match="num_groups must be >= 1, got 0"):
+        G.wgrad_pitch(16, 0)
+
+
+def test_check_wgrad_columns():
+    sizes = torch.tensor(WGRAD_SIZES)
+    G.check_wgrad_columns(sizes, False, 480, 8)  # exactly a_G columns and 8 blocks
+    G.check_wgrad_columns(G.sizes_to_offsets(sizes), True, 480, 8)
+    with pytest.raises(ValueError, match=r"round_up\(M_g, 16\) = 480 token columns, but .* P = 464"):
+        G.check_wgrad_columns(sizes, False, 464, 8)
+    with pytest.raises(ValueError, match=r"ceil\(M_g/128\) = 8 token blocks, but the token-block scales have 7 rows"):
+        G.check_wgrad_columns(sizes, False, 480, 7)
+    with pytest.raises(ValueError, match=r"offsets \[G\+1\] need num_groups=G or out"):  # offsets read as sizes
+        G.check_wgrad_columns(G.sizes_to_offsets(torch.tensor([40, 40])), False, 96, 4)  # P of 2 groups
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

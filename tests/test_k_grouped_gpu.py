@@ -1,5 +1,7 @@
-"""K-grouped (weight-gradient) FP8 GEMM on the H200: bit-exact against each group padded with zero tokens
-to a multiple of 128, accurate against float64, accumulate mode, determinism, graphs, no host sync."""
+"""K-grouped (weight-gradient) FP8 GEMM on the H200, on the 16-aligned wgrad layout (DESIGN §4: group g's tokens at
+columns [a_g, a_g + M_g) of [rows, P], a_g = sum_{h<g} round_up(M_h, 16)): bit-exact against each group padded with
+zero tokens to a multiple of 128, accurate against float64, only each group's columns read, accumulate mode,
+determinism, graphs, no host sync. Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
 
@@ -37,15 +39,22 @@ def _quantized(x, dy, sizes):
 
 
 def _check(sizes, n, k, seed):
+    """FP32 and BF16 outputs on the aligned layout equal the padded-to-128 layout's (every group padded with zero
+    tokens, quantized and multiplied with the padded sizes), bit for bit."""
     x, dy = _operands(sizes, n, k, seed)
     args = _quantized(x, dy, sizes)
+    assert args[0].shape[1] == -(-int(sizes.sum()) // 16) * 16 + 16 * len(sizes)  # P
     out = torch.full((len(sizes), n, k), float("nan"), device=DEV)
     k_grouped_fp8_gemm(*args, out=out)
     xp, padded = _pad_tokens(x, sizes)
     dyp, _ = _pad_tokens(dy, sizes)
-    ref_pad = k_grouped_fp8_gemm(*_quantized(xp, dyp, padded))
+    padded_args = _quantized(xp, dyp, padded)
+    ref_pad = k_grouped_fp8_gemm(*padded_args)
     assert torch.equal(out, ref_pad)
     assert not out.isnan().any()
+    bf = torch.full((len(sizes), n, k), float("nan"), dtype=torch.bfloat16, device=DEV)
+    k_grouped_fp8_gemm(*args, out=bf)
+    assert torch.equal(bf, k_grouped_fp8_gemm(*padded_args, out_dtype=torch.bfloat16))
     return out, args
 
 
@@ -62,6 +71,13 @@ EDGE = torch.tensor([0, 1, 15, 16, 17, 127, 128, 129, 0, 300], dtype=torch.int64
         (make_group_sizes(8192, 256, "with_empty", 2), 256, 512),
         (make_group_sizes(16384, 8, "skewed", 3), 4096, 4096),
         (torch.tensor([100, 37]), 96, 48),               # N, K not multiples of 128
+        (torch.tensor([15, 16, 17, 1, 0, 31, 33]), 128, 256),  # group starts 16 columns apart, gaps of 1..15
+        # (from the aligned-start experiment's tests, now the one kernel's layout)
+        (torch.tensor([512, 0, 144, 37]), 256, 384),             # partial last blocks (144 = 128 + 16), an empty group
+        (torch.tensor([16, 48, 0, 272, 1000]), 272, 400),         # N and K not multiples of 128, a 16-token group
+        (torch.tensor([1000]), 768, 1408),                      # one group, its last block partial
+        (torch.tensor([256] * 32), 512, 512),                   # balanced, whole blocks only
+        (torch.tensor([0, 0, 0, 5]), 128, 128),                 # only the last group holds tokens
     ],
 )
 def test_bitexact_vs_padded(sizes, n, k):
@@ -154,7 +170,65 @@ def test_repeatable_and_offsets_equal_sizes():
     offsets[1:] = torch.cumsum(g, 0)
     for _ in range(3):
         assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, g), first)
-    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, offsets), first)
+    # offsets [G+1]: G from num_groups or from out
+    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, offsets, num_groups=16), first)
+    out = torch.full_like(first, float("nan"))
+    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, offsets, out=out), first)
+    assert torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, g.int(), num_groups=16), first)
+
+
+def _wider(t, pitch):
+    """The same [rows, P] bytes in a wider buffer: row pitch `pitch` (a multiple of 16)."""
+    buf = torch.full((t.shape[0], pitch), 0x7F, dtype=torch.uint8, device=t.device)  # NaN past P
+    buf[:, : t.shape[1]] = t.view(torch.uint8)
+    return buf.view(torch.float8_e4m3fn)[:, : t.shape[1]]
+
+
+@pytest.mark.parametrize("sizes,n,k", [
+    (torch.tensor([129, 0, 15, 0, 16, 1, 17, 127, 128, 0, 300, 33]), 256, 384),
+    (torch.tensor([1, 1, 1, 1]), 128, 128),
+    (make_group_sizes(4096, 32, "with_empty", 6), 512, 256),
+])
+def test_only_each_groups_columns_are_read(sizes, n, k):
+    """The <= 15 columns between groups and the tail [a_G, P) (zeros from the quantizer) and the bytes past P in a
+    wider row pitch are never multiplied into a result: poisoned with NaN, the bits do not change. (A block's
+    columns past its group's end must give exact zero products, DESIGN §4.)"""
+    x, dy = _operands(sizes, n, k, 12)
+    dyt, dys, xt, xs, g = _quantized(x, dy, sizes)
+    want = k_grouped_fp8_gemm(dyt, dys, xt, xs, g)
+    c = torch.randn(want.shape, device=DEV)
+    want_acc = k_grouped_fp8_gemm(dyt, dys, xt, xs, g, out=c.clone(), accumulate=True)
+    starts = [0]
+    for m in sizes.tolist():
+        starts.append(starts[-1] + -(-m // 16) * 16)
+    gaps = torch.ones(dyt.shape[1], dtype=torch.bool, device=DEV)
+    for a, m in zip(starts, sizes.tolist()):
+        gaps[a: a + m] = False
+    assert gaps.sum() == dyt.shape[1] - int(sizes.sum())
+    poisoned = [t.clone() for t in (dyt, xt)]
+    for t in poisoned:
+        t.view(torch.uint8)[:, gaps] = 0x7F
+    for pitch in (dyt.shape[1], dyt.shape[1] + 64):
+        pdy, px = (t if pitch == t.shape[1] else _wider(t, pitch) for t in poisoned)
+        assert pdy.stride(0) == pitch
+        assert torch.equal(k_grouped_fp8_gemm(pdy, dys, px, xs, g), want)
+        assert torch.equal(k_grouped_fp8_gemm(pdy, dys, px, xs, g, out=c.clone(), accumulate=True), want_acc)
+        bf = k_grouped_fp8_gemm(pdy, dys, px, xs, g, out_dtype=torch.bfloat16)
+        assert torch.equal(bf, want.bfloat16())
+
+
+def test_malformed_device_sizes_stay_inside_the_operands():
+    """Device sizes are not read on the host: sizes that overrun P (or are negative) are clamped by the kernel
+    (a_g to P, negative sizes to 0), so the call completes without a fault; the values are undefined."""
+    sizes = torch.tensor([300, 0, 129, 1])
+    x, dy = _operands(sizes, 256, 256, 13)
+    args = _quantized(x, dy, sizes)
+    good = k_grouped_fp8_gemm(*args)
+    for bad in ([4000, 0, 129, 1], [300, -50, 129, 5000], [-1, -1, -1, -1]):
+        out = torch.empty(4, 256, 256, device=DEV)
+        k_grouped_fp8_gemm(*args[:4], torch.tensor(bad, device=DEV), out=out)
+        torch.cuda.synchronize()
+    assert torch.equal(k_grouped_fp8_gemm(*args), good)
 
 
 def test_cuda_graph_replay_with_new_sizes_and_no_sync():
@@ -188,8 +262,8 @@ def test_cuda_graph_replay_with_new_sizes_and_no_sync():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_no_tokens_from_the_cuda_quantizers(fused):
-    """M_total = 0 (an expert-parallel rank that received no token): the quantizers hand back empty [rows, 0]
-    tensors (torch gives them strides (1, 1)); the GEMM zeroes `out`, or leaves C unchanged when accumulating."""
+    """M_total = 0 (an expert-parallel rank that received no token): the quantizers hand back zeros [rows, 16 G]
+    and scales [G, rows]; the GEMM zeroes `out`, or leaves C unchanged when accumulating."""
     sizes = torch.zeros(4, dtype=torch.int64, device=DEV)
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV)
     dy = torch.empty(0, 384, dtype=torch.bfloat16, device=DEV)
@@ -199,7 +273,9 @@ def test_no_tokens_from_the_cuda_quantizers(fused):
     else:
         xt, xs = quant.quantize_grouped_128x1(x, sizes, num_groups=4)
         dyt, dys = quant.quantize_grouped_128x1(dy, sizes, num_groups=4)
-    assert xt.shape == (256, 0) and dyt.shape == (384, 0)
+    assert xt.shape == (256, 64) and dyt.shape == (384, 64) and xt.is_contiguous() and dyt.is_contiguous()
+    assert not xt.view(torch.uint8).any() and not dyt.view(torch.uint8).any()
+    assert xs.shape == (4, 256) and dys.shape == (4, 384) and not xs.any() and not dys.any()
     out = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=torch.full((4, 384, 256), float("nan"), device=DEV))
     assert torch.equal(out, torch.zeros_like(out))
     c = torch.randn(4, 384, 256, device=DEV)

@@ -6,6 +6,7 @@ from _dists import group_tensor, random_rows
 
 from megatron_tma import quant
 from megatron_tma import reference as R
+from megatron_tma.groups import aligned_token_offsets
 from megatron_tma.quant import quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128, quantize_grouped_128x1
 
 
@@ -35,6 +36,27 @@ def test_cpu_runs_the_reference(gen, dtype):
                    R.quantize_grouped_128x1(x, torch.tensor(sizes))))
     both = R.quantize_1x128(x, True) + R.quantize_grouped_128x1(x, torch.tensor(sizes), True)
     assert all(map(_same, quantize_1x128_and_grouped_128x1(x, offsets, True, num_groups=3), both))
+
+
+@pytest.mark.parametrize("fmt", [("sizes", torch.int32), ("sizes", torch.int64), ("offsets", torch.int32),
+                                 ("offsets", torch.int64)])
+def test_grouped_qt_is_the_aligned_layout(gen, fmt):
+    """The public quantizers return the contiguous [K, P] qt of the 16-aligned layout, for every group format."""
+    sizes = [0, 1, 15, 16, 17, 127, 128, 129]
+    m, g = sum(sizes), len(sizes)
+    x = random_rows(m, 32, gen)
+    groups = group_tensor(sizes, fmt)
+    num_groups = g if fmt[0] == "offsets" else None
+    qt, s = quantize_grouped_128x1(x, groups, num_groups=num_groups)
+    assert qt.shape == (32, -(-m // 16) * 16 + 16 * g) and qt.is_contiguous() and s.shape == (m // 128 + g, 32)
+    assert all(map(_same, (qt, s), R.quantize_grouped_128x1(x, torch.tensor(sizes))))
+    *_, qt2, s2 = quantize_1x128_and_grouped_128x1(x, groups, num_groups=num_groups)
+    assert _same(qt2, qt) and _same(s2, s)
+    starts = aligned_token_offsets(groups, num_groups).tolist()
+    written = torch.zeros(qt.shape[1], dtype=torch.bool)
+    for a, size in zip(starts, sizes):
+        written[a: a + size] = True
+    assert not qt.view(torch.uint8)[:, ~written].any()  # gaps and tail are zero
 
 
 X = torch.zeros(4, 32, dtype=torch.bfloat16)
@@ -94,13 +116,16 @@ def test_fake_128x128_matches_reference_layout(shape):
         assert same_layout(f, r)
 
 
-@pytest.mark.parametrize("sizes", [[0, 0, 0], [1], [127, 128, 129], [300, 0, 5]])
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [1], [15], [16], [17], [127, 128, 129], [300, 0, 5],
+                                   [0, 1, 15, 16, 17, 127, 128, 129]])
 def test_fake_grouped_matches_reference_layout(sizes):
     x = torch.zeros(sum(sizes), 48, dtype=torch.bfloat16)
     fake = quant._fake_quantize_grouped_128x1(x.to("meta"), torch.tensor(sizes).to("meta"), len(sizes))
     for f, r in zip(fake, R.quantize_grouped_128x1(x, torch.tensor(sizes))):
-        assert same_layout(f, r)
+        assert same_layout(f, r) and f.is_contiguous()
         assert f.untyped_storage().nbytes() == r.untyped_storage().nbytes()
+    m, g = sum(sizes), len(sizes)
+    assert fake[0].shape == (48, -(-m // 16) * 16 + 16 * g)  # qt [K, P], P = round_up(M, 16) + 16 G
 
 
 def test_fake_fused_is_the_two_fakes():

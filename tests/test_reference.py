@@ -13,9 +13,10 @@ from _dists import EDGE_GROUPINGS, group_tensor, make_group_sizes, random_rows
 
 from megatron_tma import reference as R
 from megatron_tma._validate import FP8
-from megatron_tma.groups import token_block_offsets
+from megatron_tma.groups import aligned_token_offsets, token_block_offsets
 
 INF, NAN = float("inf"), float("nan")
+E4M3_NAN = 0x7F
 ONE_448 = float(np.float32(1) / np.float32(448))  # fl32(1/448): the scale of a block with amax 1
 
 
@@ -343,27 +344,74 @@ def test_128x128_layout(gen, shape):
         assert torch.equal(qbytes(qt2), qbytes(qt[0])) and torch.equal(st2, st[0])
 
 
-@pytest.mark.parametrize("name", sorted(EDGE_GROUPINGS))
+# Sizes around the 16-column alignment of the wgrad layout and the 128-token blocks (DESIGN §4).
+WGRAD_EDGE = [0, 1, 15, 16, 17, 127, 128, 129]
+WGRAD_GROUPINGS = {
+    **{f"one_{m}": [m] for m in WGRAD_EDGE},
+    "edge_sizes": WGRAD_EDGE,
+    "mixed": [129, 0, 15, 0, 16, 1, 17, 127, 128, 0, 300, 33],
+    "all_empty": [0, 0, 0],  # M == 0
+    **{f"grouping_{k}": v for k, v in EDGE_GROUPINGS.items()},
+}
+
+
+def _aligned_starts(sizes):
+    """a_g = sum_{h<g} round_up(M_h, 16), written out independently of the package, [G+1]."""
+    starts = [0]
+    for m in sizes:
+        starts.append(starts[-1] + -(-m // 16) * 16)
+    return starts
+
+
+@pytest.mark.parametrize("name", sorted(WGRAD_GROUPINGS))
 def test_grouped_128x1_layout(gen, name):
-    sizes = EDGE_GROUPINGS[name]
+    """qt is a contiguous [K, P], P = round_up(M, 16) + 16 G; group g's tokens sit at columns [a_g, a_g + M_g), each
+    128-token block quantized per column from the group's first token; every other column is zero."""
+    sizes = WGRAD_GROUPINGS[name]
     M, K, num_groups = sum(sizes), 48, len(sizes)
     x = random_rows(M, K, gen)
     qt, s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
-    pitch = -(-M // 16) * 16
-    assert qt.shape == (K, M) and qt.stride() == (pitch, 1) and qt.dtype == FP8
-    assert s.shape == (M // 128 + num_groups, K) and s.is_contiguous()
-    assert (qbytes(_storage_2d(qt, K, pitch))[:, M:] == 0).all()  # pitch columns
-    used, start = 0, 0
-    for m in sizes:  # blocks relative to each group's first row, in group order
+    P = -(-M // 16) * 16 + 16 * num_groups
+    assert qt.shape == (K, P) and qt.is_contiguous() and qt.dtype == FP8
+    assert s.shape == (M // 128 + num_groups, K) and s.is_contiguous() and s.dtype == torch.float32
+    starts = _aligned_starts(sizes)
+    assert aligned_token_offsets(torch.tensor(sizes)).tolist() == starts and starts[-1] <= P
+    written = torch.zeros(P, dtype=torch.bool)
+    used, row = 0, 0
+    for g, m in enumerate(sizes):  # blocks relative to each group's first row, in group order
         for j in range(0, m, 128):
-            rows = x[start + j: start + min(m, j + 128)].float()
+            rows = x[row + j: row + min(m, j + 128)].float()
             want_s, want_m = R.block_scale(rows.abs().amax(0), False)
             assert torch.equal(s[used], want_s)
-            assert torch.equal(qbytes(qt[:, start + j: start + min(m, j + 128)]),
-                               qbytes(R.fp8_e4m3_satfinite(rows * want_m)).t())
+            cols = slice(starts[g] + j, starts[g] + min(m, j + 128))
+            assert torch.equal(qbytes(qt[:, cols]), qbytes(R.fp8_e4m3_satfinite(rows * want_m)).t())
             used += 1
-        start += m
+        written[starts[g]: starts[g] + m] = True
+        row += m
+    assert int(written.sum()) == M
+    assert (qbytes(qt)[:, ~written] == 0).all()  # the gaps between groups and the tail [a_G, P)
     assert (s[used:] == 0).all()  # rows past the last block
+
+
+@pytest.mark.parametrize("name", ["edge_sizes", "mixed", "all_empty", "one_0", "one_129"])
+def test_grouped_128x1_layout_same_for_every_group_format(gen, name, groups_format):
+    sizes = WGRAD_GROUPINGS[name]
+    x = random_rows(sum(sizes), 32, gen)
+    ref_q, ref_s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
+    num_groups = len(sizes) if groups_format[0] == "offsets" else None
+    q, s = R.quantize_grouped_128x1(x, group_tensor(sizes, groups_format), num_groups=num_groups)
+    assert torch.equal(qbytes(q), qbytes(ref_q)) and torch.equal(s, ref_s)
+    assert torch.equal(R.dequantize_grouped_128x1(q, s, group_tensor(sizes, groups_format), num_groups=num_groups),
+                       R.dequantize_grouped_128x1(ref_q, ref_s, torch.tensor(sizes)))
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 256])
+def test_grouped_128x1_no_tokens(num_groups):
+    """M == 0 (an expert-parallel rank that received no token): qt is [K, 16 G] zeros and s [G, K] zeros."""
+    qt, s = R.quantize_grouped_128x1(torch.zeros(0, 32, dtype=torch.bfloat16),
+                                     torch.zeros(num_groups, dtype=torch.int32))
+    assert qt.shape == (32, 16 * num_groups) and qt.is_contiguous() and not qbytes(qt).any()
+    assert s.shape == (num_groups, 32) and not s.any()
 
 
 def test_grouped_128x1_blocks_never_mix_groups():
@@ -375,15 +423,6 @@ def test_grouped_128x1_blocks_never_mix_groups():
     assert (s[2:] == 0).all()
 
 
-def test_grouped_128x1_same_for_every_group_format(gen, groups_format):
-    sizes = EDGE_GROUPINGS["edges_shuffled"]
-    x = random_rows(sum(sizes), 32, gen)
-    ref_q, ref_s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
-    num_groups = len(sizes) if groups_format[0] == "offsets" else None
-    q, s = R.quantize_grouped_128x1(x, group_tensor(sizes, groups_format), num_groups=num_groups)
-    assert torch.equal(qbytes(q), qbytes(ref_q)) and torch.equal(s, ref_s)
-
-
 def test_grouped_128x1_rejects_bad_groups():
     with pytest.raises(ValueError, match="sum to 10, but the data has M_total=12"):
         R.quantize_grouped_128x1(torch.ones(12, 4), torch.tensor([4, 6]))
@@ -393,7 +432,7 @@ def test_empty_inputs():
     q, s = R.quantize_1x128(torch.zeros(0, 256))
     assert q.shape == (0, 256) and s.shape == (0, 2)
     qt, s = R.quantize_grouped_128x1(torch.zeros(0, 32), torch.zeros(3, dtype=torch.int64))
-    assert qt.shape == (32, 0) and s.shape == (3, 32) and (s == 0).all()
+    assert qt.shape == (32, 48) and (qbytes(qt) == 0).all() and s.shape == (3, 32) and (s == 0).all()
     a, a_s = R.quantize_1x128(torch.zeros(0, 128, dtype=torch.bfloat16))
     wq, ws, _, _ = R.quantize_128x128(torch.ones(3, 32, 128))
     y = R.m_grouped_fp8_gemm(a, a_s, wq, ws, torch.zeros(3, dtype=torch.int32))
@@ -401,6 +440,9 @@ def test_empty_inputs():
     dyq, dys = R.quantize_grouped_128x1(torch.zeros(0, 16), torch.zeros(3, dtype=torch.int64))
     dw = R.k_grouped_fp8_gemm(dyq, dys, qt, s, torch.zeros(3, dtype=torch.int64))
     assert dw.shape == (3, 16, 32) and (dw == 0).all()
+    c = torch.randn(3, 16, 32)
+    assert torch.equal(R.k_grouped_fp8_gemm(dyq, dys, qt, s, torch.zeros(4, dtype=torch.int32), out=c.clone(),
+                                            accumulate=True, num_groups=3), c)  # offsets [G+1], all groups empty
 
 
 # ------------------------------------------------------------------------------------------------
@@ -497,8 +539,10 @@ def test_k_grouped_exact_semantics(gen):
     x_t, x_s = R.quantize_grouped_128x1(random_rows(M, 3, gen), torch.tensor(sizes))
     c = torch.randn(3, 2, 3, generator=gen)
     out = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, torch.tensor(sizes), out=c.clone(), accumulate=True)
+    assert dy_t.shape == (2, 192) and x_t.shape == (3, 192)  # P = round_up(135, 16) + 16 * 3
     dv, xv = dy_t.double().tolist(), x_t.double().tolist()
-    blocks = {0: [(0, 0, 128), (1, 128, 130)], 1: [], 2: [(2, 130, 135)]}
+    # (scale row, first column, end column): group 2 starts at a_2 = round_up(130, 16) + 0 = 144
+    blocks = {0: [(0, 0, 128), (1, 128, 130)], 1: [], 2: [(2, 144, 149)]}
     for g in range(3):
         for n in range(2):
             for k in range(3):
@@ -611,8 +655,11 @@ def test_k_grouped_accuracy_and_accumulate(gen, dist):
 
 
 @pytest.mark.parametrize("align", [16, 128])
-def test_k_grouped_padded_equals_unpadded(gen, align):
-    sizes = torch.tensor(EDGE_GROUPINGS["edges_shuffled"])
+@pytest.mark.parametrize("name", ["grouping_edges_shuffled", "edge_sizes", "mixed", "one_17"])
+def test_k_grouped_padded_equals_unpadded(gen, align, name):
+    """The GEMM on the 16-aligned layout equals the padded path bit for bit: every group padded with zero tokens to
+    a multiple of `align` (the quantizer run on x with zero rows inserted, the GEMM with the padded sizes)."""
+    sizes = torch.tensor(WGRAD_GROUPINGS[name])
     dy, x, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
     dy_pad, _, sizes_pad = R.pad_groups_rows(dy, None, sizes, align)
     x_pad, _, _ = R.pad_groups_rows(x, None, sizes, align)
@@ -626,6 +673,45 @@ def test_k_grouped_padded_equals_unpadded(gen, align):
     acc = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes, out=c.clone(), accumulate=True)
     acc_pad = R.k_grouped_fp8_gemm(dyp_t, dyp_s, xp_t, xp_s, sizes_pad, out=c.clone(), accumulate=True)
     assert torch.equal(acc, acc_pad)
+    bf = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes, out_dtype=torch.bfloat16)
+    assert torch.equal(bf, R.k_grouped_fp8_gemm(dyp_t, dyp_s, xp_t, xp_s, sizes_pad, out_dtype=torch.bfloat16))
+    ref = R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, sizes)
+    assert R.diff(dw, ref) < 1e-3 and R.diff(dw, ref) < 1e-12  # the contract's bound; the oracle is near exact
+    assert R.diff(ref, R.k_grouped_ref64(dyp_t, dyp_s, xp_t, xp_s, sizes_pad)) < 1e-15
+
+
+def test_k_grouped_reads_only_each_groups_columns(gen):
+    """Bytes in the gaps and the tail of qt are never read: poisoning them (NaN) changes nothing. (The quantizers
+    write them as zero; this pins that the GEMM contracts over [a_g, a_g + M_g) only.)"""
+    sizes = torch.tensor(WGRAD_GROUPINGS["mixed"])
+    _, _, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
+    dw = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes)
+    starts = _aligned_starts(sizes.tolist())
+    gaps = torch.ones(dy_t.shape[1], dtype=torch.bool)
+    for g, m in enumerate(sizes.tolist()):
+        gaps[starts[g]: starts[g] + m] = False
+    for t in (dy_t, x_t):
+        qbytes(t)[:, gaps] = E4M3_NAN
+    assert torch.equal(R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes), dw)
+
+
+@pytest.mark.parametrize("fmt", [("sizes", torch.int32), ("offsets", torch.int64)])
+def test_k_grouped_num_groups_and_out_give_g(gen, fmt):
+    """G comes from out, else num_groups, else the groups hold sizes [G]; offsets [G+1] need one of the first two."""
+    sizes = [129, 0, 15, 17]
+    _, _, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, torch.tensor(sizes))
+    want = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, torch.tensor(sizes))
+    groups = group_tensor(sizes, fmt)
+    assert torch.equal(R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, num_groups=4), want)
+    out = torch.full_like(want, NAN)
+    assert R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, out=out) is out and torch.equal(out, want)
+    assert torch.equal(R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, num_groups=4),
+                       R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, torch.tensor(sizes)))
+    if fmt[0] == "offsets":  # read as 5 sizes: they need more columns than P holds
+        with pytest.raises(ValueError, match=r"wgrad operands have P = 240 \(offsets \[G\+1\] need num_groups"):
+            R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups)
+    with pytest.raises(ValueError, match="out holds 4 groups but num_groups=3"):
+        R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, out=out, num_groups=3)
 
 
 def test_gemm_argument_errors(gen):
@@ -643,6 +729,14 @@ def test_gemm_argument_errors(gen):
         R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, torch.tensor([3, 2]), accumulate=True)
     with pytest.raises(ValueError, match=r"out must be \[G, N, K\] = \(2, 64, 48\)"):
         R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, torch.tensor([3, 2]), out=torch.zeros(2, 48, 64))
+    with pytest.raises(ValueError, match=r"x_t is \[K, P\] = \(48, 32\): P differs"):
+        R.k_grouped_fp8_gemm(dy_t, dy_s, x_t[:, :32], x_s, torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match=r"dy_s and x_s must be \[MB, N\] and \[MB, K\] with one MB"):
+        R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s[:1], torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match=r"round_up\(M_g, 16\) = 48 token columns, but the wgrad operands have P = 32"):
+        R.k_grouped_fp8_gemm(dy_t[:, :32], dy_s, x_t[:, :32], x_s, torch.tensor([3, 20]))
+    with pytest.raises(ValueError, match=r"3 token blocks, but the token-block scales have 2 rows"):
+        R.dequantize_grouped_128x1(x_t, x_s, torch.tensor([1, 1, 1]))  # 48 columns fit P = 48, 3 blocks do not
     with pytest.raises(ValueError, match=r"y_pad has 5 rows, but the groups padded to 16 have 32"):
         R.unpad_rows(torch.zeros(5, 4), torch.tensor([3, 2]), 16)
 
