@@ -135,17 +135,76 @@ def test_128x128_two_dimensional_weight(gen):
 # ------------------------------------------------------------------------------------------------
 # Per-group 128x1
 # ------------------------------------------------------------------------------------------------
+# The wgrad layout (DESIGN.md §4, 16-aligned group starts), written out here independently of the reference:
+# qt is [K, P] contiguous, P = round_up(M, 16) + 16 G; group g's tokens at columns [a_g, a_g + M_g),
+# a_g = sum_{h<g} round_up(M_h, 16); every other column (the gap after each group, the tail [a_G, P)) is 0.
+def wgrad_pitch(m: int, num_groups: int) -> int:
+    return -(-m // 16) * 16 + 16 * num_groups
+
+
+def aligned_starts(sizes):
+    """[a_0, ..., a_G] as host ints."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 16) * 16)
+    return starts
+
+
+def assert_wgrad_columns(qt: torch.Tensor, sizes, k: int):
+    """qt is [K, P] contiguous and every column that holds no token is zero (gaps and tail)."""
+    P = wgrad_pitch(sum(sizes), len(sizes))
+    assert qt.dtype == torch.float8_e4m3fn and qt.shape == (k, P) and qt.is_contiguous(), (qt.shape, qt.stride())
+    token = torch.zeros(P, dtype=torch.bool)
+    for a, n in zip(aligned_starts(sizes), sizes):
+        token[a : a + n] = True
+    assert not qt.view(torch.uint8)[:, ~token.to(qt.device)].any(), "a gap or tail column is not zero"
+
+
+def assert_group_placement(qt: torch.Tensor, s: torch.Tensor, x: torch.Tensor, sizes, pow2=False):
+    """Group g's columns [a_g, a_g + M_g) and scale rows [B_g, B_g + ceil(M_g/128)) hold the group quantized on its
+    own (which starts at column 0 and scale row 0 in any layout): checks a_g and B_g without the reference's
+    multi-group code."""
+    o = b = 0
+    for a, n in zip(aligned_starts(sizes), sizes):
+        nb = -(-n // 128)
+        if n:
+            one = torch.tensor([n], dtype=torch.int64, device=x.device)
+            gqt, gs = R.quantize_grouped_128x1(x[o : o + n], one, pow2)
+            got, want = qt.view(torch.uint8)[:, a : a + n], gqt.view(torch.uint8)[:, :n]
+            assert torch.equal(got, want), _first_diff(got, want)
+            assert_scales_equal(s[b : b + nb], gs[:nb])
+        o, b = o + n, b + nb
+
+
 def run_grouped(x, sizes, fmt=("sizes", torch.int64), pow2=False):
     groups = group_tensor(sizes, fmt, DEV)
     num_groups = len(sizes) if fmt[0] == "offsets" else None
     m, k = x.shape
-    m_pitch = -(-m // 16) * 16
-    poison_allocations(k * m_pitch, (m // 128 + len(sizes)) * k * 4)
+    poison_allocations(k * wgrad_pitch(m, len(sizes)), (m // 128 + len(sizes)) * k * 4)
     qt, s = quantize_grouped_128x1(x, groups, pow2, num_groups=num_groups, backend="cuda")
     rqt, rs = R.quantize_grouped_128x1(x, groups, pow2, num_groups=num_groups)
-    assert_fp8_equal(qt, rqt)
-    assert_fp8_equal(storage_2d(qt, k, m_pitch), storage_2d(rqt, k, m_pitch))  # pitch columns 0
+    assert_wgrad_columns(qt, sizes, k)
+    assert_fp8_equal(qt, rqt)  # the whole [K, P]: gaps and tail included
     assert_scales_equal(s, rs)  # unused rows 0
+    return qt, s
+
+
+def run_fused(x, sizes, pow2=False, fmt=("offsets", torch.int32)):
+    m, k = x.shape
+    groups = group_tensor(sizes, fmt, DEV)
+    num_groups = len(sizes) if fmt[0] == "offsets" else None
+    kb, m_pad = -(-k // 128), -(-m // 4) * 4
+    poison_allocations(m * k, kb * m_pad * 4, k * wgrad_pitch(m, len(sizes)), (m // 128 + len(sizes)) * k * 4)
+    q, s, qt, s_t = quantize_1x128_and_grouped_128x1(x, groups, pow2, num_groups=num_groups, backend="cuda")
+    rq, rs = R.quantize_1x128(x, pow2)
+    rqt, rs_t = R.quantize_grouped_128x1(x, groups, pow2, num_groups=num_groups)
+    assert_fp8_equal(q, rq)
+    assert_scales_equal(storage_2d(s.t(), kb, m_pad), storage_2d(rs.t(), kb, m_pad))
+    assert_scales_equal(s, rs)
+    assert_wgrad_columns(qt, sizes, k)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s_t, rs_t)
+    return qt, s_t
 
 
 @pytest.mark.parametrize("name", sorted(EDGE_GROUPINGS))
@@ -161,19 +220,38 @@ def test_grouped_every_group_format(gen, fmt):
     run_grouped(special_rows(sum(sizes), 144, gen, torch.bfloat16), sizes, fmt)
 
 
+# Group sizes around a 16-column chunk and a 128-token block: the gaps after the groups are 15, 1, 0, 15, 1, 0, 15,
+# ... columns, empty groups take none (also first and last), and several groups share one 128-byte line of a row.
+PLACEMENT_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0, 255, 256, 257, 3, 0]
+
+
+@pytest.mark.parametrize("fmt", GROUP_FORMATS, ids=lambda f: f"{f[0]}-{str(f[1]).replace('torch.', '')}")
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+def test_grouped_aligned_group_starts(gen, fmt, fused):
+    sizes = PLACEMENT_SIZES
+    x = special_rows(sum(sizes), 272, gen, torch.bfloat16)
+    qt, s = run_fused(x, sizes, fmt=fmt) if fused else run_grouped(x, sizes, fmt)
+    assert_group_placement(qt, s, x, sizes)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32", "pow2"])
 @pytest.mark.parametrize("m,k,g,dist", [(1000, 1024, 8, "paper"), (3001, 208, 32, "with_empty"), (20000, 2048, 32, "paper"),
                                         (4096, 512, 4, "one_group"), (5000, 256, 256, "skewed"), (2000, 128, 256, "with_empty")])
 def test_grouped_distributions(gen, dtype, pow2, m, k, g, dist):
     sizes = make_group_sizes(m, g, dist, seed=m + g).tolist()
-    run_grouped(special_rows(m, k, gen, dtype), sizes, pow2=pow2)
+    x = special_rows(m, k, gen, dtype)
+    qt, s = run_grouped(x, sizes, pow2=pow2)
+    if g <= 32:
+        assert_group_placement(qt, s, x, sizes, pow2)
 
 
 def test_grouped_every_start_alignment(gen):
-    # group starts at every residue mod 16 and blocks ending at every residue: the unaligned head/tail stores
+    # groups ending at every residue mod 16 (gaps of 15..0 columns) and blocks ending at every residue
     sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1]
-    run_grouped(special_rows(sum(sizes), 64, gen, torch.bfloat16), sizes)
+    x = special_rows(sum(sizes), 64, gen, torch.bfloat16)
+    qt, s = run_grouped(x, sizes)
+    assert_group_placement(qt, s, x, sizes)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -190,51 +268,33 @@ def test_fused_1x128_and_grouped_matches_reference(gen, dtype, pow2, case):
     run_fused(special_rows(sum(sizes), k, gen, dtype), sizes, pow2)
 
 
-def run_fused(x, sizes, pow2=False):
-    m, k = x.shape
-    groups = group_tensor(sizes, ("offsets", torch.int32), DEV)
-    kb, m_pad, m_pitch = -(-k // 128), -(-m // 4) * 4, -(-m // 16) * 16
-    poison_allocations(m * k, kb * m_pad * 4, k * m_pitch, (m // 128 + len(sizes)) * k * 4)
-    q, s, qt, s_t = quantize_1x128_and_grouped_128x1(x, groups, pow2, num_groups=len(sizes), backend="cuda")
-    rq, rs = R.quantize_1x128(x, pow2)
-    rqt, rs_t = R.quantize_grouped_128x1(x, groups, pow2, num_groups=len(sizes))
-    assert_fp8_equal(q, rq)
-    assert_scales_equal(storage_2d(s.t(), kb, m_pad), storage_2d(rs.t(), kb, m_pad))
-    assert_scales_equal(s, rs)
-    assert_fp8_equal(storage_2d(qt, k, m_pitch), storage_2d(rqt, k, m_pitch))
-    assert_fp8_equal(qt, rqt)
-    assert_scales_equal(s_t, rs_t)
-
-
-# Both grouped kernels quantize runs of consecutive token blocks per CTA and store the 16-byte chunk that
-# straddles two blocks of a run whole (the first block parks its tail bytes, the next merges its head). The
-# run length is a launch heuristic (1 on small inputs), so force each length: starts at every residue mod 16,
-# groups smaller than a chunk (several blocks merge into one chunk), empty groups, runs ending on unused blocks.
-# When the qt pitch ceil(M/16)*16 is a multiple of 128 the qt rows are 128-byte aligned and the kernels store
-# whole 128-byte lines (the parked bytes are then up to a whole line); the "_m128" layouts total a multiple of
-# 128 to reach that path, the others (pitch not a multiple of 128) the 16-byte chunk path.
-# MEGATRON_TMA_QUANT_LINES=1 / 0 forces the line / chunk path (by default lines need >= 1024 tokens per group).
+# The grouped kernels cut each column block into slots (token blocks, then pieces of the zero tail) that own
+# consecutive 16-byte chunks of every qt row, and quantize runs of consecutive slots per CTA: a slot parks the
+# unfinished 128-byte line of each row in shared memory and a later slot of the run completes it, so only a
+# run's first and last line are written in part. The run length is a launch heuristic (1 on small inputs), so
+# force each length (1000: one run per column block). A row's line grid depends on the pitch P: the "_p128"
+# layouts have P a multiple of 128 (every row line-aligned), the others an odd number of 16-byte chunks (rows
+# start at all 8 positions of a line). Groups smaller than a chunk, several groups per line, empty groups
+# (also last), and runs that end inside the tail.
+RESIDUES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1]
 RUN_LAYOUTS = {
-    "residues": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1],
-    "residues_m128": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1, 81],
-    "tiny": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300],
-    "tiny_m128": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300, 1, 1, 19, 1],
+    "residues": RESIDUES + [0],
+    "residues_p128": RESIDUES + [34],
+    "tiny": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300, 0],
+    "tiny_p128": [1] * 20 + [3, 0, 2, 16, 16, 5, 0, 0, 300, 1, 1, 19, 98],
     "paper": make_group_sizes(9000, 16, "paper", seed=11).tolist(),
-    "paper_m128": make_group_sizes(8960, 16, "paper", seed=12).tolist(),
+    "paper_p128": make_group_sizes(8960, 16, "paper", seed=12).tolist(),
 }
 
 
-@pytest.mark.parametrize("lines", [True, False], ids=["lines", "chunks"])
-@pytest.mark.parametrize("run", [1, 2, 3, 8])
+@pytest.mark.parametrize("run", [1, 2, 3, 8, 1000])
 @pytest.mark.parametrize("layout", sorted(RUN_LAYOUTS))
 @pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
-def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused, lines):
-    if not lines and not layout.endswith("_m128"):
-        pytest.skip("the chunk path is the only one for this layout (covered by lines=True)")
+def test_grouped_runs_of_slots(gen, monkeypatch, run, layout, fused):
     monkeypatch.setenv("MEGATRON_TMA_QUANT_RUN", str(run))
-    monkeypatch.setenv("MEGATRON_TMA_QUANT_LINES", "1" if lines else "0")
     sizes = RUN_LAYOUTS[layout]
-    assert (-(-sum(sizes) // 16) * 16 % 128 == 0) == layout.endswith("_m128")
+    pitch = wgrad_pitch(sum(sizes), len(sizes))
+    assert (pitch % 128 == 0) if layout.endswith("_p128") else (pitch // 16 % 2 == 1)
     x = special_rows(sum(sizes), 272, gen, torch.bfloat16)
     run_fused(x, sizes) if fused else run_grouped(x, sizes)
 
@@ -242,17 +302,32 @@ def test_grouped_runs_of_blocks(gen, monkeypatch, run, layout, fused, lines):
 @pytest.mark.parametrize("num_groups", [3500, 8192])
 @pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
 def test_grouped_many_groups(gen, num_groups, fused):
-    # The group arrays live in dynamic shared memory (8 bytes per group) next to ~23 KB of static shared
-    # memory: from G ~ 3200 the launch needs the opt-in limit above 48 KB, at the maximum G as well.
+    # The group arrays live in dynamic shared memory (12 bytes per group) next to ~35 KB of static shared
+    # memory: from G ~ 1000 the launch needs the opt-in limit above 48 KB, at the maximum G as well.
     sizes = make_group_sizes(6000, num_groups, "with_empty", seed=num_groups).tolist()
     x = special_rows(sum(sizes), 32, gen, torch.bfloat16)
     run_fused(x, sizes) if fused else run_grouped(x, sizes)
 
 
-def test_grouped_empty_tokens():
-    x = torch.zeros(0, 32, dtype=torch.bfloat16, device=DEV)
-    qt, s = quantize_grouped_128x1(x, torch.zeros(3, dtype=torch.int32, device=DEV), backend="cuda")
-    assert qt.shape == (32, 0) and s.shape == (3, 32) and not s.any()
+@pytest.mark.parametrize("fmt", GROUP_FORMATS, ids=lambda f: f"{f[0]}-{str(f[1]).replace('torch.', '')}")
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+def test_grouped_empty_tokens(fmt, fused):
+    # M == 0 is still a launch: qt [K, 16 G] and s [G, K] are all zeros, written by the kernel (poisoned first).
+    G, k = 3, 272
+    x = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
+    groups = group_tensor([0] * G, fmt, DEV)
+    num_groups = G if fmt[0] == "offsets" else None
+    poison_allocations(k * 16 * G, G * k * 4)
+    if fused:
+        q, s1, qt, s = quantize_1x128_and_grouped_128x1(x, groups, num_groups=num_groups, backend="cuda")
+        assert q.shape == (0, k) and s1.shape == (0, 3)
+    else:
+        qt, s = quantize_grouped_128x1(x, groups, num_groups=num_groups, backend="cuda")
+    assert qt.shape == (k, 16 * G) and qt.is_contiguous() and not qt.view(torch.uint8).any()
+    assert s.shape == (G, k) and not s.view(torch.int32).any()
+    rqt, rs = R.quantize_grouped_128x1(x, groups, num_groups=num_groups)
+    assert_fp8_equal(qt, rqt)
+    assert_scales_equal(s, rs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -274,7 +349,9 @@ def test_nan_inf_policy(pow2):
     for o, r in zip(quantize_128x128(x[:288].view(2, 144, 256), pow2, backend="cuda"),
                     R.quantize_128x128(x[:288].view(2, 144, 256), pow2)):
         (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
+    # group 0 (3 rows) has NaN and Inf blocks: its 13 gap columns must still be zero bytes, not q(0 * NaN)
     run_grouped(x, [3, 150, 147], pow2=pow2)
+    run_fused(x, [3, 150, 147], pow2=pow2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,6 +379,7 @@ def test_cuda_graph_replay_with_new_sizes(gen):
         graph.replay()
         torch.cuda.synchronize()
         rqt, rs = R.quantize_grouped_128x1(x, sizes)
+        assert_wgrad_columns(qt, new, k)  # the previous replay's tokens in this one's gaps are overwritten
         assert_fp8_equal(qt, rqt)
         assert_scales_equal(s, rs)
         rq, rs1 = R.quantize_1x128(x)
@@ -325,8 +403,37 @@ def test_no_host_synchronisation(gen):
         quantize_grouped_128x1(x, sizes, backend="cuda")
         quantize_grouped_128x1(x, offsets, True, num_groups=4, backend="cuda")
         quantize_1x128_and_grouped_128x1(x, sizes, backend="cuda")
+        quantize_grouped_128x1(x[:0], sizes * 0, backend="cuda")  # M == 0: P from M and G alone
+        quantize_1x128_and_grouped_128x1(x[:0], offsets * 0, num_groups=4, backend="cuda")
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_empty_tokens_in_a_cuda_graph():
+    """M == 0 captured: every replay writes qt [K, 16 G] and s [G, K] as zeros (filled with 0x7f in between)."""
+    k, g = 160, 5
+    x = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
+    sizes = torch.zeros(g, dtype=torch.int64, device=DEV)
+
+    def step():
+        return (quantize_grouped_128x1(x, sizes, backend="cuda"),
+                quantize_1x128_and_grouped_128x1(x, sizes, backend="cuda"))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (qt, s), (_, _, qt2, s2) = step()
+    for _ in range(2):
+        for t in (qt, qt2, s, s2):
+            t.view(torch.uint8).fill_(0x7F)
+        graph.replay()
+        torch.cuda.synchronize()
+        for t, shape in ((qt, (k, 16 * g)), (qt2, (k, 16 * g)), (s, (g, k)), (s2, (g, k))):
+            assert t.shape == shape and t.is_contiguous() and not t.view(torch.uint8).any()
 
 
 def test_torch_compile_traces_the_ops(gen):

@@ -2,6 +2,8 @@
 // allocates every output here in its docs/layouts.md layout (torch.empty: the kernels write all bytes,
 // padding included), launches on the current stream. megatron_tma/quant.py gives the same errors first
 // and registers the fake (meta) implementations; these checks keep the ops safe through torch.ops.
+#include <climits>
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -81,20 +83,27 @@ megatron_tma::GroupsArg check_groups(const at::Tensor& groups, int64_t num_group
           groups.numel() == num_groups + 1 ? 1 : 0};
 }
 
-// (qt [K, M] e4m3 viewing storage [K, ceil(M/16)*16], strides (M_pitch, 1); s [M/128 + G, K] fp32)
+// qt's row pitch P = round_up(M, 16) + 16 G (DESIGN.md §4), from M and G alone: no host read of the groups.
+int64_t checked_wgrad_pitch(int64_t M, int64_t num_groups) {
+  const int64_t P = megatron_tma::wgrad_pitch(M, num_groups);
+  TORCH_CHECK_VALUE(P <= INT_MAX, "round_up(M, 16) + 16 G (the qt row pitch) must fit in int32, got ", P);
+  return P;
+}
+
+// (qt [K, P] e4m3 contiguous, group g's tokens at columns [a_g, a_g + M_g), the rest 0; s [M/128 + G, K] fp32)
 std::tuple<at::Tensor, at::Tensor> quantize_grouped_128x1(const at::Tensor& x, const at::Tensor& groups,
                                                           int64_t num_groups, bool pow2) {
   const QuantInput in = check_input(x, "x", 2);
   const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t m_pitch = cdiv(M, 16) * 16;
+  const int64_t P = checked_wgrad_pitch(M, num_groups);
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor qt = at::empty({K, m_pitch}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor qt = at::empty({K, P}, x.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor s = at::empty({M / 128 + num_groups, K}, x.options().dtype(at::kFloat));
-  check_launch(megatron_tma::quantize_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, qt.data_ptr(), m_pitch,
+  check_launch(megatron_tma::quantize_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, qt.data_ptr(),
                                                     s.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
                "quantize_grouped_128x1");
-  return {qt.narrow(1, 0, M), s};
+  return {qt, s};
 }
 
 // quantize_1x128(x) and quantize_grouped_128x1(x, groups) in one pass: (q, s, qt, s_t), same layouts.
@@ -103,18 +112,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_and_gr
   const QuantInput in = check_input(x, "x", 2);
   const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
   const int64_t M = x.size(0), K = x.size(1);
-  const int64_t m_pad = cdiv(M, 4) * 4, m_pitch = cdiv(M, 16) * 16;
+  const int64_t m_pad = cdiv(M, 4) * 4, P = checked_wgrad_pitch(M, num_groups);
   c10::cuda::CUDAGuard guard(x.device());
   const at::TensorOptions fp8 = x.options().dtype(at::kFloat8_e4m3fn), f32 = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty({M, K}, fp8);
   at::Tensor s = at::empty({cdiv(K, 128), m_pad}, f32);
-  at::Tensor qt = at::empty({K, m_pitch}, fp8);
+  at::Tensor qt = at::empty({K, P}, fp8);
   at::Tensor s_t = at::empty({M / 128 + num_groups, K}, f32);
   check_launch(megatron_tma::quantize_1x128_and_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, q.data_ptr(),
-                                                              s.data_ptr<float>(), m_pad, qt.data_ptr(), m_pitch,
+                                                              s.data_ptr<float>(), m_pad, qt.data_ptr(),
                                                               s_t.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
                "quantize_1x128_and_grouped_128x1");
-  return {q, s.narrow(1, 0, M).t(), qt.narrow(1, 0, M), s_t};
+  return {q, s.narrow(1, 0, M).t(), qt, s_t};
 }
 
 }  // namespace

@@ -33,9 +33,10 @@ bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInpu
 // Persistent grid: the CTAs that the launch bounds fit on every SM (ctas_per_sm), never more than there are
 // tiles. With very many groups shared memory may fit fewer; the rest then run as a short second wave.
 // Raises the dynamic shared-memory limit when static + dynamic shared memory exceeds the 48 KB that needs
-// no opt-in (the grouped kernels' group arrays grow with G; the static part alone is ~23 KB, so G > ~3200
-// already needs it). Raised under a lock and never lowered, since launches with other group counts may run
-// concurrently. Attribute calls only, no stream work and no occupancy query per call: cheap and capture safe.
+// no opt-in (the grouped kernels' group arrays grow with G, 12 bytes each; the static part alone is ~35 KB,
+// so G > ~1000 already needs it). Raised under a lock and never lowered, since launches with other group
+// counts may run concurrently. Attribute calls only, no stream work and no occupancy query per call: cheap
+// and capture safe.
 template <class Params>
 cudaError_t persistent_grid(void (*kernel)(Params), int ctas_per_sm, int smem, int64_t tiles, int* grid) {
   cudaError_t err;
@@ -105,43 +106,30 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
 
 namespace {
 
-constexpr int kLineStoreMinTokensPerGroup = 1024;
-
-// Token blocks per work unit of the grouped quantizer: long runs store fewer partial 16-byte chunks (only
+// Slots per work unit of the grouped quantizer: long runs split fewer 128-byte lines between two CTAs (only
 // a run's two ends do) but leave fewer units to balance over the CTAs; keep at least 4 units per CTA.
-// MEGATRON_TMA_QUANT_RUN overrides it (tuning experiments), clamped to [1, token blocks].
-int grouped_run(int64_t mb_max, int64_t tiles, int64_t grid_ctas) {
+// MEGATRON_TMA_QUANT_RUN overrides it (tests reach the multi-slot runs on small inputs with it; tuning
+// experiments), clamped to [1, slots].
+int grouped_run(int64_t slots, int64_t tiles, int64_t grid_ctas) {
   const char* env = std::getenv("MEGATRON_TMA_QUANT_RUN");  // read per call: tests switch it
   const int64_t forced = env != nullptr ? std::atoll(env) : 0;
   const int64_t run = forced > 0 ? forced : tiles / (4 * grid_ctas);
-  const int64_t cap = forced > 0 ? mb_max : kGroupedMaxRun;
+  const int64_t cap = forced > 0 ? slots : kGroupedMaxRun;
   return static_cast<int>(run < 1 ? 1 : run > cap ? cap : run);
-}
-
-// Whole 128-byte line stores (a block completes the line its run predecessor started and parks the head of
-// the next) need every qt row to start on a 128-byte line. They pay when groups are long: on the H200,
-// [65536, 7168] G=32 2.15 -> 2.69 TB/s and [65536, 4096] G=8 2.40 -> 2.70, but with ~64-256 tokens per
-// group the line heads parked and flushed at group and run ends cost more than they save ([16384, 7168]
-// G=256 1.63 -> 1.28, [8192, 2048] G=32 1.72 -> 1.29; benchmarks/NOTES.md). So: on when the average group
-// spans 1024 tokens or more. MEGATRON_TMA_QUANT_LINES=1 / 0 forces them on (where aligned) / off.
-bool use_line_stores(const void* qt, int64_t qt_ld, int64_t m, int num_groups) {
-  if (qt_ld % 128 != 0 || reinterpret_cast<uintptr_t>(qt) % 128 != 0) return false;
-  const char* env = std::getenv("MEGATRON_TMA_QUANT_LINES");  // read per call: tests switch it
-  if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
-  return m >= int64_t(kLineStoreMinTokensPerGroup) * num_groups;
 }
 
 // Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
 cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2, void* qt,
-                           int64_t qt_ld, float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream) {
+                           float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream) {
   const int G = groups.num_groups;
-  // Rows stay in int on the device with room for a whole block past the end.
+  // Rows and qt columns stay in int on the device, rows with room for a whole block past the end.
   if (!input_ok(in) || groups.ptr == nullptr || G < 1 || G > kGroupedMaxGroups || m < 0 || m > INT_MAX - kBlock ||
-      k < 0 || k > INT_MAX || k % 16 != 0 || qt_ld < m || qt_ld % 16 != 0)
+      k < 0 || k > INT_MAX || k % 16 != 0 || wgrad_pitch(m, G) > INT_MAX)
     return cudaErrorInvalidValue;
-  const int64_t mb_max = m / kBlock + G;
+  const int64_t ld = wgrad_pitch(m, G), mb_max = m / kBlock + G;
   if (k == 0) return cudaSuccess;  // every output is empty
-  if ((m > 0 && (!aligned16(x) || !aligned16(qt))) || mb_max > INT_MAX) return cudaErrorInvalidValue;
+  // m == 0 still launches: qt [k, 16 G] and s [G, k] are zeros to write (x is never read).
+  if ((m > 0 && !aligned16(x)) || !aligned16(qt) || mb_max >= INT_MAX) return cudaErrorInvalidValue;
   if (q != nullptr && (s1_ld < m || s1_ld > INT_MAX || s1_ld % 4 != 0 || (m > 0 && !aligned16(q))))
     return cudaErrorInvalidValue;
 
@@ -152,21 +140,20 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   p.groups = groups;
   p.m = static_cast<int>(m);
   p.k = static_cast<int>(k);
-  p.qt_ld = qt_ld;
+  p.ld = static_cast<int>(ld);
   p.mb_max = static_cast<int>(mb_max);
   p.q = static_cast<uint8_t*>(q);
   p.s1 = s1;
   p.s1_ld = static_cast<int>(q != nullptr ? s1_ld : 0);
-  const int64_t kbs = cdiv(k, kBlock);
-  if (mb_max * kbs > int64_t(UINT32_MAX)) return cudaErrorInvalidValue;  // unit indices are 32-bit on the device
+  const int64_t kbs = cdiv(k, kBlock), slots = mb_max + 1;  // the token blocks' scale rows + the last tail slot
+  if (slots * kbs > int64_t(UINT32_MAX)) return cudaErrorInvalidValue;  // unit indices are 32-bit on the device
   const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
   const int smem = grouped_dynamic_smem(G);
-  int grid = 0;  // first the persistent grid for one tile per unit, then for the units
-  const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, mb_max * kbs, &grid);
+  int grid = 0;  // first the persistent grid for one slot per unit, then for the units
+  const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, slots * kbs, &grid);
   if (err != cudaSuccess) return err;
-  p.run = grouped_run(mb_max, mb_max * kbs, grid);
-  p.line_stores = use_line_stores(qt, qt_ld, m, G);
-  const int64_t units = cdiv(mb_max, p.run) * kbs;
+  p.run = grouped_run(slots, slots * kbs, grid);
+  const int64_t units = cdiv(slots, p.run) * kbs;
   grid = static_cast<int>(units < grid ? units : grid);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
@@ -175,18 +162,18 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
 }  // namespace
 
 cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2,
-                                   void* qt, int64_t qt_ld, float* s, cudaStream_t stream) {
-  return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s, nullptr, nullptr, 0, stream);
+                                   void* qt, float* s, cudaStream_t stream) {
+  return launch_grouped(x, in, m, k, groups, pow2, qt, s, nullptr, nullptr, 0, stream);
 }
 
 cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
-                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, int64_t qt_ld,
-                                             float* s_t, cudaStream_t stream) {
+                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, float* s_t,
+                                             cudaStream_t stream) {
   if (q == nullptr && m > 0 && k > 0) return cudaErrorInvalidValue;
-  if (m == 0 || k == 0) {  // no 1x128 entry to write; the grouped scales still need their zero rows
-    return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s_t, nullptr, nullptr, 0, stream);
+  if (m == 0 || k == 0) {  // no 1x128 entry to write; qt's zeros and the grouped scales' zero rows still are
+    return launch_grouped(x, in, m, k, groups, pow2, qt, s_t, nullptr, nullptr, 0, stream);
   }
-  return launch_grouped(x, in, m, k, groups, pow2, qt, qt_ld, s_t, q, s, s_ld, stream);
+  return launch_grouped(x, in, m, k, groups, pow2, qt, s_t, q, s, s_ld, stream);
 }
 
 }  // namespace megatron_tma

@@ -18,8 +18,12 @@ namespace megatron_tma {
 
 enum class QuantInput : int { kBf16 = 0, kFp16 = 1 };
 
-// Largest G quantize_grouped_128x1 accepts (group and token-block offsets live in shared memory).
+// Largest G quantize_grouped_128x1 accepts (group, column and token-block offsets live in shared memory).
 constexpr int kQuantizeGroupedMaxGroups = 8192;
+
+// Row pitch P of the wgrad operand qt [k, P] (DESIGN.md §4): the upper bound round_up(m, 16) + 16 G of the
+// 16-aligned group starts, known on the host from m and G alone.
+constexpr int64_t wgrad_pitch(int64_t m, int64_t num_groups) { return (m + 15) / 16 * 16 + 16 * num_groups; }
 
 // x [m, k] -> q e4m3 [m, k] and 1x128 scales: the scale of row r, column block kb (k/128 rounded up)
 // at s[kb * s_ld + r]. s_ld >= m, a multiple of 4; entries m..s_ld-1 of each block row are set to 1.0.
@@ -31,17 +35,18 @@ cudaError_t quantize_1x128(const void* x, QuantInput in, int64_t m, int64_t k, b
 cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
                              float* s, void* qt, float* st, cudaStream_t stream);
 
-// x [m, k] -> qt e4m3 storage [k, qt_ld] (qt[c * qt_ld + r] = q(x[r, c]); columns m..qt_ld-1 set to 0)
-// and s [m/128 + G, k] (row b = the b-th 128-token block, counting each group's blocks from its first
-// row; rows past the last used block set to 0). qt_ld >= m, a multiple of 16. `groups` is the device
-// sizes [G] or offsets [G+1] tensor, 1 <= G <= kQuantizeGroupedMaxGroups.
+// x [m, k] -> qt e4m3 [k, P] contiguous, P = wgrad_pitch(m, G): group g's tokens at columns
+// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16) (qt[c * P + a_g + t] = q(x[o_g + t, c])), every other
+// column set to 0; and s [m/128 + G, k] (row b = the b-th 128-token block, counting each group's blocks from
+// its first row; rows past the last used block set to 0). P <= INT_MAX. `groups` is the device sizes [G] or
+// offsets [G+1] tensor, 1 <= G <= kQuantizeGroupedMaxGroups. m == 0 is a launch too (qt all zero, s zero).
 cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2,
-                                   void* qt, int64_t qt_ld, float* s, cudaStream_t stream);
+                                   void* qt, float* s, cudaStream_t stream);
 
-// Both quantize_1x128 (q, s, s_ld) and quantize_grouped_128x1 (qt, qt_ld, s_t) of the same x in one pass:
-// x is read once instead of twice (the backward quantizes dY for dgrad and wgrad). Same outputs, same rules.
+// Both quantize_1x128 (q, s, s_ld) and quantize_grouped_128x1 (qt, s_t) of the same x in one pass: x is read
+// once instead of twice (the backward quantizes dY for dgrad and wgrad). Same outputs, same rules.
 cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
-                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, int64_t qt_ld,
-                                             float* s_t, cudaStream_t stream);
+                                             bool pow2, void* q, float* s, int64_t s_ld, void* qt, float* s_t,
+                                             cudaStream_t stream);
 
 }  // namespace megatron_tma

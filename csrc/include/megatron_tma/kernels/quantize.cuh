@@ -6,8 +6,9 @@
 //  quantize_1x128_kernel          x [M, K] -> q [M, K], one scale per row per 128 columns.
 //  quantize_128x128_kernel        w [G, N, K] -> q [G, N, K] and qt = q^T [G, K, N] in one pass, one
 //                                 scale per 128x128 block (s and its transpose st).
-//  quantize_grouped_128x1_kernel  x [M, K] -> qt = q^T [K, M_pitch], one scale per column per
-//                                 128-token block of each group (blocks start at a group's first row);
+//  quantize_grouped_128x1_kernel  x [M, K] -> qt [K, P], each group's tokens transposed from a 16-aligned
+//                                 column, one scale per column per 128-token block of each group (blocks
+//                                 start at a group's first row);
 //                                 optionally also the 1x128 q and scales of the same x in the same pass
 //                                 (a backward quantizes dY once for dgrad and wgrad).
 //
@@ -17,9 +18,9 @@
 // per load instruction. The quantized bytes go to a transposed shared-memory tile (see TransposedTile)
 // from which whole output rows are stored with 16-byte vectors. Both kernels are persistent over tiles
 // and load the next tile into the (then dead) input registers before storing the current one, so the
-// store phase overlaps the next tile's DRAM latency. The grouped kernel's token blocks start at arbitrary
-// rows, so its transposed rows are unaligned; a CTA walks runs of consecutive blocks so that it can store
-// the 16-byte chunks straddling two blocks whole (store_token_rows).
+// store phase overlaps the next tile's DRAM latency. The grouped kernel's token blocks start on 16-byte
+// chunks of the qt rows but rarely on 128-byte lines; a CTA walks runs of consecutive blocks so that it can
+// store the lines straddling two blocks whole (store_slot).
 #pragma once
 #include <cstdint>
 
@@ -99,37 +100,6 @@ __device__ __forceinline__ uint4 pair_exchange(const uint2& a, const uint2& b, b
   const uint2 other = shfl_xor2(make_uint2(__byte_perm(b.x, a.x, sel), __byte_perm(b.y, a.y, sel)), 1);
   return make_uint4(__byte_perm(a.x, other.x, sel), __byte_perm(a.y, other.y, sel),
                     __byte_perm(other.x, b.x, sel), __byte_perm(other.y, b.y, sel));
-}
-
-// Bytes [lo, hi) of the 16-byte value v to dst (16-byte aligned), 0 <= lo < hi <= 16: for the head and
-// tail of a token range, whose neighbouring bytes belong to another CTA. Naturally aligned pieces, growing
-// from lo while lo's low bits allow, then shrinking to hi; at most nine predicated stores and no loop, so
-// lanes that share lo and hi never diverge.
-__device__ __forceinline__ void store_bytes(uint8_t* dst, const uint4& v, int lo, int hi) {
-  const uint64_t h0 = (uint64_t(v.y) << 32) | v.x, h1 = (uint64_t(v.w) << 32) | v.z;
-  auto bits = [&](int pos) { return (pos < 8 ? h0 : h1) >> ((pos & 7) * 8); };
-  int p = lo;
-  if ((p & 1) && p + 1 <= hi) { dst[p] = static_cast<uint8_t>(bits(p)); p += 1; }
-  if ((p & 2) && p + 2 <= hi) { *reinterpret_cast<uint16_t*>(dst + p) = static_cast<uint16_t>(bits(p)); p += 2; }
-  if ((p & 4) && p + 4 <= hi) { *reinterpret_cast<uint32_t*>(dst + p) = static_cast<uint32_t>(bits(p)); p += 4; }
-  if ((p & 8) && p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
-  if (p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
-  if (p + 8 <= hi) { *reinterpret_cast<uint64_t*>(dst + p) = bits(p); p += 8; }
-  if (p + 4 <= hi) { *reinterpret_cast<uint32_t*>(dst + p) = static_cast<uint32_t>(bits(p)); p += 4; }
-  if (p + 2 <= hi) { *reinterpret_cast<uint16_t*>(dst + p) = static_cast<uint16_t>(bits(p)); p += 2; }
-  if (p + 1 <= hi) dst[p] = static_cast<uint8_t>(bits(p));
-}
-
-// Bytes [sh, sh + 16) of the 32-byte concatenation lo|hi, 0 < sh < 16 (sh uniform across the CTA, so
-// the word selection is branch-free and divergence-free).
-__device__ __forceinline__ uint4 byte_window(const uint4& lo, const uint4& hi, int sh) {
-  const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-  const int q = sh >> 2, r = (sh & 3) * 8;
-  uint32_t s[5];
-#pragma unroll
-  for (int i = 0; i < 5; ++i) s[i] = q == 0 ? w[i] : q == 1 ? w[i + 1] : q == 2 ? w[i + 2] : w[i + 3];
-  return make_uint4(__funnelshift_r(s[0], s[1], r), __funnelshift_r(s[1], s[2], r),
-                    __funnelshift_r(s[2], s[3], r), __funnelshift_r(s[3], s[4], r));
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -351,53 +321,73 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
 // ================================================================================================
 // Per-group 128x1 token blocks: wgrad operands
 // ================================================================================================
+// Layout (DESIGN.md §4): qt is [k, ld], ld = round_up(m, 16) + 16 G. Group g's tokens sit at columns
+// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16); every other column is zero.
+//
+// Work is cut into slots, mb_max + 1 per column block, each owning a run of whole 16-byte chunks of every qt
+// row. Slot b below the used token blocks is token block b (block j of group g: x rows off_g + 128 j.., qt
+// columns a_g + 128 j..) and owns round_up(rows, 16) columns, so a group's last block also owns the zero gap
+// up to the next group's start (its tile holds zeros there). The slots past the used blocks own the tail
+// [a_G, ld) in 128-column pieces, the last one (index mb_max, which has no scale row) all that is left.
+// Together the slots of a column block cover every qt row [0, ld) once, in order, and every slot starts
+// 16-byte aligned: the stores are whole chunks, never shifted or split into bytes.
 constexpr int kGroupedCtasPerSm = 3;  // as k128x128CtasPerSm (80 registers, fused variant included)
 constexpr int kGroupedMaxGroups = 8192;
-constexpr int kGroupedMaxRun = 8;        // token blocks per work unit, at most (host heuristic)  // two int arrays of G+1 in shared memory (64 KB at the limit)
+constexpr int kGroupedMaxRun = 8;     // slots per work unit, at most (host heuristic)
 
-__host__ __device__ constexpr int grouped_dynamic_smem(int num_groups) { return 2 * (num_groups + 1) * 4; }
+// Three int arrays of G+1 in shared memory (96 KB at the limit): row offsets, column offsets a_g, token-block
+// offsets.
+__host__ __device__ constexpr int grouped_dynamic_smem(int num_groups) { return 3 * (num_groups + 1) * 4; }
 
 struct QuantizeGroupedParams {
-  const void* x;    // [m, k] 16-bit, row-major, 16-byte aligned
-  uint8_t* qt;      // e4m3 storage [k, qt_ld], 16-byte aligned; columns m..qt_ld-1 are written as 0
-  float* s;         // [mb_max, k]: the scale of column c over token block b at s[b * k + c]
+  const void* x;  // [m, k] 16-bit, row-major, 16-byte aligned
+  uint8_t* qt;    // e4m3 [k, ld], 16-byte aligned; every byte is written
+  float* s;       // [mb_max, k]: the scale of column c over token block b at s[b * k + c]
   GroupsArg groups;
-  int m, k;         // k multiple of 16
-  int64_t qt_ld;    // multiple of 16, >= m
-  int mb_max;       // m / 128 + G: rows of s; rows past the used blocks are written as 0
-  int run;          // token blocks per work unit (>= 1): a CTA quantizes blocks b..b+run-1 of one column block
-  int line_stores;  // qt rows are 128-byte aligned: store whole 128-byte lines (store_token_lines)
+  int m, k;       // k multiple of 16
+  int ld;         // round_up(m, 16) + 16 G (the host checks that it fits an int)
+  int mb_max;     // m / 128 + G: rows of s; rows past the used blocks are written as 0
+  int run;        // slots per work unit (>= 1): a CTA quantizes slots b..b+run-1 of one column block
   // The fused 1x128 outputs (kAlso1x128 only), as in Quantize1x128Params.
-  uint8_t* q;       // e4m3 [m, k]
-  float* s1;        // storage [ceil(k/128), s1_ld], entries m..s1_ld-1 written as 1.0
+  uint8_t* q;     // e4m3 [m, k]
+  float* s1;      // storage [ceil(k/128), s1_ld], entries m..s1_ld-1 written as 1.0
   int s1_ld;
 };
 
-struct TokenBlock {
-  int row0;  // first row of the block
-  int rows;  // 1..128, or 0 for a block index past the last used block
+struct Slot {
+  int row0;    // first x row of the token block
+  int rows;    // its tokens, 1..128; 0 for the tail slots (zeros only)
+  int col;     // first qt column, a multiple of 16
+  int chunks;  // 16-byte chunks of each qt row it owns, 0..8
 };
 
-// Work unit u -> column block kb and its first token block b0: units are runs of `run` consecutive token
-// blocks of one column block, token runs fastest. Consecutive blocks are contiguous in tokens (across group
-// boundaries too), so one CTA sees each boundary between the blocks of its run and can store the 16-byte
-// chunk that straddles it whole (see store_token_rows); and the CTAs resident at any time write long runs
-// of the same qt rows rather than ~1 KB pieces of thousands of rows.
+// Work unit u -> column block kb and its first slot b0: units are runs of `run` consecutive slots of one column
+// block, slots fastest. Consecutive slots own consecutive qt columns, so one CTA can finish the 128-byte lines
+// that straddle two slots of its run (see store_slot); and the CTAs resident at any time write long runs of
+// the same qt rows rather than ~1 KB pieces of thousands of rows.
 struct GroupedUnits {
-  uint32_t runs_per_col, run, mb;
+  uint32_t runs_per_col, run, slots;
   __device__ __forceinline__ void coords(uint32_t u, int& kb, int& b0, int& len) const {
     const uint32_t q = u / runs_per_col;
     kb = static_cast<int>(q);
     b0 = static_cast<int>((u - q * runs_per_col) * run);
-    len = static_cast<int>(min(run, mb - static_cast<uint32_t>(b0)));
+    len = static_cast<int>(min(run, slots - static_cast<uint32_t>(b0)));
   }
 };
 
-// Token block b: group g owns blocks [blk[g], blk[g+1]), block j of it starts at off[g] + 128 j. `group`
-// is the group of the previous lookup: the blocks of a run mostly stay in it, so it is checked first; the
-// search otherwise keeps blk[lo] <= b < blk[hi], which skips empty groups.
-__device__ __forceinline__ TokenBlock find_token_block(const int* off, const int* blk, int num_groups, int b, int& group) {
-  if (b >= blk[num_groups]) return {0, 0};
+// Slot b: group g owns token blocks [blk[g], blk[g+1]). `group` is the group of the previous lookup: the blocks
+// of a run mostly stay in it, so it is checked first; the search otherwise keeps blk[lo] <= b < blk[hi], which
+// skips empty groups. The last slot's piece of the tail is at most 128 columns: with U = mb_max - blk[G] tail
+// slots before it, ld - col[G] - 128 U = (round_up(m, 16) - 128 (m / 128)) + sum_g (128 ceil(M_g / 128) -
+// round_up(M_g, 16) - 112), where the first term is <= 128 and every summand <= 0 (M_g as clamped to m).
+__device__ __forceinline__ Slot find_slot(const int* off, const int* col, const int* blk, int num_groups, int ld,
+                                          int mb_max, int b, int& group) {
+  const int used = blk[num_groups];
+  if (b >= used) {
+    const int64_t c0 = min(int64_t(ld), col[num_groups] + int64_t(kBlock) * (b - used));
+    const int64_t c1 = b == mb_max ? int64_t(ld) : min(int64_t(ld), c0 + kBlock);
+    return {0, 0, static_cast<int>(c0), static_cast<int>(c1 - c0) >> 4};
+  }
   int lo = group;
   if (b < blk[lo] || b >= blk[lo + 1]) {
     lo = 0;
@@ -408,187 +398,61 @@ __device__ __forceinline__ TokenBlock find_token_block(const int* off, const int
     }
     group = lo;
   }
-  const int row0 = off[lo] + kBlock * (b - blk[lo]);
-  return {row0, min(kBlock, off[lo + 1] - row0)};
+  const int j = b - blk[lo];
+  const int row0 = off[lo] + kBlock * j;
+  const int rows = min(kBlock, off[lo + 1] - row0);
+  return {row0, rows, col[lo] + kBlock * j, (rows + 15) >> 4};
 }
 
-// Bytes [0, n) of `keep` and [n, 16) of `rest`, 0 <= n <= 16 (n uniform).
-__device__ __forceinline__ uint4 merge_bytes(const uint4& keep, const uint4& rest, int n) {
-  const auto word = [n](uint32_t k, uint32_t r, int w) {
-    const int nb = min(max(n - 4 * w, 0), 4);
-    const uint32_t mask = nb == 4 ? 0xffffffffu : (1u << (8 * nb)) - 1u;
-    return (k & mask) | (r & ~mask);
-  };
-  return make_uint4(word(keep.x, rest.x, 0), word(keep.y, rest.y, 1), word(keep.z, rest.z, 2), word(keep.w, rest.w, 3));
-}
-
-// The whole 16-byte destination chunks c0 .. c0+nfull-1 of every tile row: chunk c is tile bytes
-// [16c - a, 16c - a + 16), i.e. bytes [16 - a, 32 - a) of tile chunks c-1 | c, a funnel shift by r bits of
-// the words starting at word kQ (kQ = (16 - a) / 4 as a template parameter, so no word select at run time;
-// kQ < 0: a == 0, a plain copy). Warp w owns rows 16w..16w+15, four per step, eight lanes per row (lane j:
-// chunk c0 + j); a quarter warp reads one row's eight chunks, which the swizzle keeps conflict-free.
-template <int kQ>
-__device__ __forceinline__ void store_whole_chunks(const uint8_t* tile, uint8_t* base, int64_t ld, int kvalid, int c0,
-                                                   int nfull, int r) {
+// The store phase of one slot: its chunks [col, col + 16 chunks) of tile rows [0, kvalid) to qt rows
+// qt_rows + t * ld.
+// Whole lines: a write that covers part of a 128-byte line costs more than one that covers it whole (the
+// allocations are compressible memory, where a partial write is a read-modify-write; benchmarks/NOTES.md,
+// quantization), and a slot's chunks straddle two lines of a row unless it starts on one. So each row's
+// unfinished line waits in shared memory ("pending": chunk positions [lo, s) of it, collected from the run's
+// earlier slots) until a slot of the same run completes it; inside a run every store is a whole line, only a
+// run's first and last line are shared with the neighbouring runs. Row r's line grid starts at chunk
+// (qt / 16 + r * ld / 16) mod 8 (ld is a multiple of 16, of 128 only for some shapes), so where a slot sits
+// in its lines is worked out per row.
+// Lane p % 8 of four rows per step takes chunk position p of line A (the line holding the slot's first
+// chunk: positions [s, min(e, 8)) are the slot's, [lo, s) pending) and of line B (positions [0, e - 8)).
+// `run_col`: the first column of the run's first slot (its line-A position is the run's lo; later lines have
+// lo = 0). `keep`: the next slot continues the run, so an unfinished line waits; else it is stored as far as
+// it goes. `zero`: a tail slot, whose chunks are zeros (the tile is not read).
+// Every (row, position) belongs to one fixed thread, which alone reads and writes its pending chunk: no
+// barrier is needed between slots. A warp step reads 4 rows, 8 distinct chunks each (a rotation of the tile
+// row, or pending's same-row chunks: a row that mixes the two may put two chunks on one bank group), and
+// stores 4 lines.
+__device__ __forceinline__ void store_slot(uint8_t* stage, uint8_t* qt_rows, int64_t ld, int kvalid, int col,
+                                           int chunks, int run_col, bool zero, bool keep) {
   constexpr int kRowsPerWarp = kBlock / kWarps;  // 16
   static_assert(kRowsPerWarp % 4 == 0, "four rows per warp step");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int c = c0 + (lane & 7);
-  if ((lane & 7) >= nfull) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane & 7;
+  const uint32_t phase0 = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(qt_rows) >> 4);
+  const uint32_t ld16 = static_cast<uint32_t>(ld >> 4);
+  const uint4 zero16 = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int step = 0; step < kRowsPerWarp / 4; ++step) {
     const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
-    if (t >= kvalid) break;
-    const uint4 cur = TransposedTile::read(tile, t, c);
-    uint4 out = cur;
-    if constexpr (kQ >= 0) {
-      const uint4 prev = TransposedTile::read(tile, t, c - 1);
-      const uint32_t w[8] = {prev.x, prev.y, prev.z, prev.w, cur.x, cur.y, cur.z, cur.w};
-      out = make_uint4(__funnelshift_r(w[kQ], w[kQ + 1], r), __funnelshift_r(w[kQ + 1], w[kQ + 2], r),
-                       __funnelshift_r(w[kQ + 2], w[kQ + 3], r), __funnelshift_r(w[kQ + 3], w[kQ + 4], r));
+    if (t >= kvalid) break;  // kvalid is a multiple of 16: whole warps
+    const int phase = static_cast<int>((phase0 + static_cast<uint32_t>(t) * ld16) & 7u);
+    const int pos = phase + (col >> 4), run_pos = phase + (run_col >> 4);  // chunks on the row's line grid
+    const int s = pos & 7, e = s + chunks;  // e <= 15
+    const int lo = (run_pos >> 3) == (pos >> 3) ? (run_pos & 7) : 0;
+    uint8_t* line = qt_rows + t * ld + (col - 16 * s);  // line A
+    const int pend = TransposedTile::kBytes + 16 * (8 * t + p);
+    uint4 va = *reinterpret_cast<const uint4*>(
+        stage + (p < s || zero ? pend : TransposedTile::offset(t, (p - s) & 7)));
+    if (zero && p >= s) va = zero16;
+    if (p >= lo && p < e) {
+      if (e >= 8 || !keep) store16(line + 16 * p, va);
+      else if (p >= s) *reinterpret_cast<uint4*>(stage + pend) = va;
     }
-    store16(base + t * ld + 16 * c, out);
-  }
-}
-
-// Stores rows [0, kvalid) of the transposed tile: bytes 0..rows-1 of tile row t go to
-// dst_row0 + t * ld + [row0, row0 + rows). row0 is arbitrary, so the destination is cut into the 16-byte
-// aligned chunks c = 0..nch-1 that the range touches (nch <= 9), chunk c holding tile bytes
-// [16c - a, 16c - a + 16), a = row0 % 16. All threads store the whole chunks (store_whole_chunks); then
-// threads 0..127 take one row each for its head chunk (bytes [a, 16) of chunk 0, when a != 0) and its tail
-// chunk (the last one, when the block does not end on a chunk boundary), so that the byte-sized stores of
-// these partial chunks never diverge a warp.
-// A chunk shared with the neighbouring block cannot be stored whole by either block alone, and byte-sized
-// stores are slow (on the H200 they took a quarter of the kernel's time), so inside a run of blocks the
-// partial tail chunk is parked in shared memory (`carry_out`, when `keep_tail`) and the next block merges
-// its head bytes into it: only the two ends of a run store partial chunks. `carry_lo` >= 0 says that
-// `carry_in` holds bytes [carry_lo, a) of this block's head chunk; the return value says the same of
-// `carry_out` for the next block (-1: nothing parked). Every branch is uniform across the CTA.
-__device__ __forceinline__ int store_token_rows(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
-                                                int row0, int rows, int carry_lo, const uint4* carry_in,
-                                                bool keep_tail, uint4* carry_out) {
-  const int a = row0 & 15, end = a + rows;
-  const int nch = (end + 15) >> 4;
-  uint8_t* base = dst_row0 + (row0 - a);
-  const int c0 = a != 0 ? 1 : 0, nfull = (end >> 4) - c0;
-  const int sh = 16 - a, r = (sh & 3) * 8;
-  switch (a == 0 ? -1 : sh >> 2) {
-    case -1: store_whole_chunks<-1>(tile, base, ld, kvalid, c0, nfull, r); break;
-    case 0: store_whole_chunks<0>(tile, base, ld, kvalid, c0, nfull, r); break;
-    case 1: store_whole_chunks<1>(tile, base, ld, kvalid, c0, nfull, r); break;
-    case 2: store_whole_chunks<2>(tile, base, ld, kvalid, c0, nfull, r); break;
-    default: store_whole_chunks<3>(tile, base, ld, kvalid, c0, nfull, r); break;
-  }
-
-  const bool head_is_tail = a != 0 && nch == 1;
-  const bool tail_partial = (end & 15) != 0;
-  const bool park_tail = keep_tail && tail_partial;
-  const int head_lo = carry_lo >= 0 ? carry_lo : a, head_hi = min(16, end);
-  // Row t per thread, ordered so that the eight threads of a quarter warp read eight different
-  // swizzle positions of chunk 0 (conflict-free): t = 8 * (i % 8) + (i / 8) % 8 + (i & 64).
-  const int i = threadIdx.x;
-  const int t = ((i & 7) << 3) + ((i >> 3) & 7) + (i & 64);
-  if (i >= kBlock || t >= kvalid) return park_tail ? (head_is_tail ? head_lo : 0) : -1;
-  uint8_t* dst = base + t * ld;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  if (a != 0) {
-    uint4 out = byte_window(zero, TransposedTile::read(tile, t, 0), sh);
-    if (carry_lo >= 0) out = merge_bytes(carry_in[t], out, a);
-    if (head_is_tail && park_tail) carry_out[t] = out;
-    else if (head_lo == 0 && head_hi == 16) store16(dst, out);
-    else store_bytes(dst, out, head_lo, head_hi);
-  }
-  if (tail_partial && !head_is_tail) {
-    const int ct = nch - 1;  // >= 1 when a != 0
-    const uint4 cur = ct < 8 ? TransposedTile::read(tile, t, ct) : zero;
-    const uint4 out = a == 0 ? cur : byte_window(TransposedTile::read(tile, t, ct - 1), cur, sh);
-    if (park_tail) carry_out[t] = out;
-    else store_bytes(dst + 16 * ct, out, 0, end & 15);
-  }
-  return park_tail ? (head_is_tail ? head_lo : 0) : -1;
-}
-
-// ---- Line-aligned variant (qt rows 128-byte aligned in memory: qt_ld % 128 == 0) -----------------------
-// Tile row t's chunk pair (k-1, k) shifted to destination alignment: tile bytes [16k - a_lo, 16k - a_lo + 16)
-// (kQ = (16 - a_lo) / 4 as a template parameter, r = 8 * ((16 - a_lo) % 4); kQ < 0: a_lo == 0, chunk k).
-// Chunks outside the tile read as zero (their bytes are never stored).
-template <int kQ>
-__device__ __forceinline__ uint4 shifted_chunk(const uint8_t* tile, int t, int k, int r) {
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-  const uint4 cur = (k >= 0 && k < 8) ? TransposedTile::read(tile, t, min(max(k, 0), 7)) : zero;
-  if constexpr (kQ < 0) {
-    return cur;
-  } else {
-    const uint4 prev = (k >= 1 && k <= 8) ? TransposedTile::read(tile, t, min(max(k - 1, 0), 7)) : zero;
-    const uint32_t w[8] = {prev.x, prev.y, prev.z, prev.w, cur.x, cur.y, cur.z, cur.w};
-    return make_uint4(__funnelshift_r(w[kQ], w[kQ + 1], r), __funnelshift_r(w[kQ + 1], w[kQ + 2], r),
-                      __funnelshift_r(w[kQ + 2], w[kQ + 3], r), __funnelshift_r(w[kQ + 3], w[kQ + 4], r));
-  }
-}
-
-// Bytes [lo, hi) of a 16-byte chunk (clamped to [0, 16); nothing when empty), whole when they cover it.
-__device__ __forceinline__ void store_chunk_range(uint8_t* dst, const uint4& v, int lo, int hi) {
-  lo = min(max(lo, 0), 16);
-  hi = min(max(hi, 0), 16);
-  if (hi <= lo) return;
-  if (lo == 0 && hi == 16) store16(dst, v); else store_bytes(dst, v, lo, hi);
-}
-
-// store_token_rows for 128-byte aligned qt rows: the destination is cut into whole 128-byte lines instead of
-// 16-byte chunks. Partial line writes are what the chunk scheme still leaves at every block edge (a block's
-// 128 tokens straddle two lines), and writing part of a line costs more than writing it whole once L2
-// keeps lines compressed (PyTorch's allocations here are compressible memory: ncu shows every write going
-// through the L2 compression unit). A block starting at a = row0 % 128 completes line A (bytes [a, 128),
-// the first a bytes coming from the previous block of the run, parked in `carry`) and parks the head of
-// line B (bytes [0, a + rows - 128)) for the next block, so inside a run every store is a whole line: lane j
-// of a row's eight lanes owns chunk j of both lines and carry[t][j] (read before it is rewritten, so one
-// buffer suffices). A block that ends inside line A parks line A itself. Only a run's ends write partial
-// lines. `carry_lo`: as in store_token_rows, for line A.
-template <int kQ>
-__device__ __forceinline__ int store_token_lines(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
-                                                 int row0, int rows, int carry_lo, uint4* carry, bool keep_tail,
-                                                 int r) {
-  const int a = row0 & 127, end = a + rows, a_hi = a >> 4;
-  uint8_t* base = dst_row0 + (row0 - a);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, j = lane & 7;
-  const int lo = carry_lo >= 0 ? carry_lo : a;
-  const int n_prev = min(max(a - 16 * j, 0), 16);  // bytes of line-A chunk j before the block (from carry)
-  const bool a_done = end >= 128, has_b = end > 128;
-  constexpr int kRowsPerWarp = kBlock / kWarps;
-#pragma unroll
-  for (int step = 0; step < kRowsPerWarp / 4; ++step) {
-    const int t = kRowsPerWarp * warp + 4 * step + (lane >> 3);
-    if (t >= kvalid) break;
-    uint8_t* dst = base + t * ld + 16 * j;
-    uint4& parked = carry[t * 8 + j];
-    uint4 va = shifted_chunk<kQ>(tile, t, j - a_hi, r);
-    if (carry_lo >= 0 && n_prev > 0) va = merge_bytes(parked, va, n_prev);
-    if (a_done) {
-      store_chunk_range(dst, va, lo - 16 * j, 16);
-      if (has_b) {
-        const uint4 vb = shifted_chunk<kQ>(tile, t, 8 + j - a_hi, r);
-        if (keep_tail) parked = vb;
-        else store_chunk_range(dst + 128, vb, 0, end - 128 - 16 * j);
-      }
-    } else if (keep_tail) {
-      parked = va;
-    } else {
-      store_chunk_range(dst, va, lo - 16 * j, end - 16 * j);
+    if (p < e - 8) {  // only positions p < s: their pending chunk was read above
+      const uint4 vb = zero ? zero16 : TransposedTile::read(stage, t, 8 - s + p);
+      if (keep) *reinterpret_cast<uint4*>(stage + pend) = vb;
+      else store16(line + 128 + 16 * p, vb);
     }
-  }
-  if (!keep_tail) return -1;
-  return a_done ? (has_b ? 0 : -1) : lo;
-}
-
-__device__ __forceinline__ int store_token_lines_any(const uint8_t* tile, uint8_t* dst_row0, int64_t ld, int kvalid,
-                                                     int row0, int rows, int carry_lo, uint4* carry, bool keep_tail) {
-  const int a_lo = row0 & 15, sh = 16 - a_lo, r = (sh & 3) * 8;
-  switch (a_lo == 0 ? -1 : sh >> 2) {
-    case -1: return store_token_lines<-1>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
-    case 0: return store_token_lines<0>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
-    case 1: return store_token_lines<1>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
-    case 2: return store_token_lines<2>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
-    default: return store_token_lines<3>(tile, dst_row0, ld, kvalid, row0, rows, carry_lo, carry, keep_tail, r);
   }
 }
 
@@ -627,24 +491,26 @@ __device__ __forceinline__ void quantize_rows_1x128(const uint4 (&v)[8], const S
 
 template <class In, bool kPow2, bool kAlso1x128>
 __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_128x1_kernel(const QuantizeGroupedParams p) {
-  extern __shared__ int smem_groups[];  // off[G+1] (row offsets), blk[G+1] (token-block offsets)
-  __shared__ __align__(16) uint8_t tile[TransposedTile::kBytes];
+  extern __shared__ int smem_groups[];  // off[G+1] (x rows), col[G+1] (qt columns a_g), blk[G+1] (token blocks)
+  // The transposed tile, then the pending line chunks [kBlock][8] of store_slot: one array, so that picking a
+  // chunk's source is an offset select feeding one load.
+  __shared__ __align__(16) uint8_t stage[2 * TransposedTile::kBytes];
   __shared__ uint4 col_amax[kWarps][16];     // per warp: 16-bit |x| maxima of the 128 columns, packed
   __shared__ __align__(16) float col_mul[kBlock];
   __shared__ long long scan_scratch[32];
-  // A run's parked bytes: 16-byte tail chunks [2][kBlock] (store_token_rows, double-buffered), or whole
-  // 128-byte line heads [kBlock][8] (store_token_lines).
-  __shared__ uint4 carry[kBlock * 8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SubTile sub;
   const int G = p.groups.num_groups;
   int* off = smem_groups;
-  int* blk = smem_groups + G + 1;
+  int* col = smem_groups + G + 1;
+  int* blk = smem_groups + 2 * (G + 1);
 
-  // Group offsets (clamped to m: malformed sizes cannot address rows past x), then token-block offsets
-  // from the clamped sizes (so their total never exceeds m/128 + G).
+  // Group row offsets (clamped to m: malformed sizes cannot address rows past x), then from the clamped sizes
+  // the column offsets a_g and the token-block offsets (their totals never exceed ld and m/128 + G).
   const GroupsArg groups = p.groups;
   block_exclusive_scan(G, [groups](int g) { return groups_size(groups, g); }, off, p.m,
+                       reinterpret_cast<int*>(scan_scratch));
+  block_exclusive_scan(G, [off](int g) { return (off[g + 1] - off[g] + 15) & ~15; }, col, p.ld,
                        reinterpret_cast<int*>(scan_scratch));
   block_exclusive_scan(G, [off](int g) { return (off[g + 1] - off[g] + kBlock - 1) / kBlock; }, blk, p.mb_max,
                        reinterpret_cast<int*>(scan_scratch));
@@ -652,17 +518,17 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   const int kbs = (p.k + kBlock - 1) / kBlock;
   const uint16_t* x = static_cast<const uint16_t*>(p.x);
 
-  // Work units (runs of token blocks of one column block, see GroupedUnits); blocks past the used ones
-  // only write zeros.
-  auto load = [&](int kb, const TokenBlock& tb, uint4(&v)[8]) {
-    const int col = kb * kBlock + 8 * sub.kc;
-    load_subtile(v, x + int64_t(tb.row0 + 8 * sub.rg) * p.k + col, p.k, tb.rows - 8 * sub.rg, col < p.k);
+  // Rows past a token block (or all of a tail slot's) load as zeros: no memory access.
+  auto load = [&](int kb, const Slot& sl, uint4(&v)[8]) {
+    const int c = kb * kBlock + 8 * sub.kc;
+    load_subtile(v, x + int64_t(sl.row0 + 8 * sub.rg) * p.k + c, p.k, sl.rows - 8 * sub.rg, c < p.k);
   };
-  const GroupedUnits units{static_cast<uint32_t>((p.mb_max + p.run - 1) / p.run), static_cast<uint32_t>(p.run),
-                           static_cast<uint32_t>(p.mb_max)};
+  const int slots = p.mb_max + 1;
+  const GroupedUnits units{static_cast<uint32_t>((slots + p.run - 1) / p.run), static_cast<uint32_t>(p.run),
+                           static_cast<uint32_t>(slots)};
   const uint32_t num_units = units.runs_per_col * static_cast<uint32_t>(kbs);
 
-  // This CTA's tiles: blocks b0..b0+len-1 of unit u in order, then unit u + gridDim.x.
+  // This CTA's slots: b0..b0+len-1 of unit u in order, then unit u + gridDim.x.
   struct Cursor {
     uint32_t u;
     int kb, b0, len, j;
@@ -681,45 +547,53 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
 
   uint4 v[8];
   int group = 0;
-  TokenBlock next = find_token_block(off, blk, G, cur.b0, group);
+  Slot next = find_slot(off, col, blk, G, p.ld, p.mb_max, cur.b0, group);
   load(cur.kb, next, v);
-  int carry_lo = -1;
+  int run_col = 0;
   while (cur.u < num_units) {
-    const TokenBlock tb = next;
+    const Slot sl = next;
     const int b = cur.b0 + cur.j, k0 = cur.kb * kBlock;
     const int kvalid = min(kBlock, p.k - k0);
+    if (cur.j == 0) run_col = sl.col;
     const Cursor nxt = advance(cur);
 
-    // Column amax: over the thread's 8 rows, the warp's two row groups (shuffle), then the 8 warps.
-    uint4 a = make_uint4(0u, 0u, 0u, 0u);
+    // A tail slot has no tile: it skips the barriers too (the tile and col_amax / col_mul are next touched
+    // after the next token block's first barrier, which every thread reaches only after this store phase).
+    if (sl.rows > 0) {
+      // Column amax: over the thread's 8 rows, the warp's two row groups (shuffle), then the 8 warps.
+      uint4 a = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      a.x = max2(a.x, abs2(v[j].x));
-      a.y = max2(a.y, abs2(v[j].y));
-      a.z = max2(a.z, abs2(v[j].z));
-      a.w = max2(a.w, abs2(v[j].w));
-    }
-    a.x = max2(a.x, __shfl_xor_sync(0xffffffffu, a.x, 16));
-    a.y = max2(a.y, __shfl_xor_sync(0xffffffffu, a.y, 16));
-    a.z = max2(a.z, __shfl_xor_sync(0xffffffffu, a.z, 16));
-    a.w = max2(a.w, __shfl_xor_sync(0xffffffffu, a.w, 16));
-    if (lane < 16) col_amax[warp][lane] = a;
-    __syncthreads();  // also: the previous tile's store phase is over (tile and col_mul are free)
+      for (int j = 0; j < 8; ++j) {
+        a.x = max2(a.x, abs2(v[j].x));
+        a.y = max2(a.y, abs2(v[j].y));
+        a.z = max2(a.z, abs2(v[j].z));
+        a.w = max2(a.w, abs2(v[j].w));
+      }
+      a.x = max2(a.x, __shfl_xor_sync(0xffffffffu, a.x, 16));
+      a.y = max2(a.y, __shfl_xor_sync(0xffffffffu, a.y, 16));
+      a.z = max2(a.z, __shfl_xor_sync(0xffffffffu, a.z, 16));
+      a.w = max2(a.w, __shfl_xor_sync(0xffffffffu, a.w, 16));
+      if (lane < 16) col_amax[warp][lane] = a;
+      __syncthreads();  // also: the previous tile's store phase is over (the tile and col_mul are free)
 
-    if (threadIdx.x < kBlock) {
-      const int c = threadIdx.x;
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(&col_amax[0][c >> 3]) + ((c & 7) >> 1);
-      uint32_t a16 = 0;
+      if (threadIdx.x < kBlock) {
+        const int c = threadIdx.x;
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(&col_amax[0][c >> 3]) + ((c & 7) >> 1);
+        uint32_t a16 = 0;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) a16 = max(a16, (words[w * 16 * 4] >> (16 * (c & 1))) & 0xffffu);
-      const fp8::BlockScale bs = fp8::block_scale<kPow2>(In::widen_abs(a16));
-      col_mul[c] = bs.mul;
-      if (c < kvalid) p.s[int64_t(b) * p.k + k0 + c] = tb.rows > 0 ? bs.scale : 0.0f;
-    }
-    __syncthreads();
+        for (int w = 0; w < kWarps; ++w) a16 = max(a16, (words[w * 16 * 4] >> (16 * (c & 1))) & 0xffffu);
+        const fp8::BlockScale bs = fp8::block_scale<kPow2>(In::widen_abs(a16));
+        col_mul[c] = bs.mul;
+        if (c < kvalid) p.s[int64_t(b) * p.k + k0 + c] = bs.scale;
+      }
+      __syncthreads();
 
-    // Quantize straight into the transposed byte order: cols[i] = column 8kc+i over the 8 rows.
-    if (tb.rows > 0) {
+      // Quantize straight into the transposed byte order: cols[i] = column 8kc+i over the 8 rows. Rows past
+      // the block are masked to zero bytes: they are the gap before the next group (a NaN block's multiplier
+      // would turn their zeros into NaN).
+      const int valid = sl.rows - 8 * sub.rg;
+      const uint32_t mask_lo = valid >= 4 ? ~0u : valid <= 0 ? 0u : (1u << (8 * valid)) - 1u;
+      const uint32_t mask_hi = valid >= 8 ? ~0u : valid <= 4 ? 0u : (1u << (8 * (valid - 4))) - 1u;
       const float4 m0 = *reinterpret_cast<const float4*>(&col_mul[8 * sub.kc]);
       const float4 m1 = *reinterpret_cast<const float4*>(&col_mul[8 * sub.kc + 4]);
       const float mul[8] = {m0.x, m0.y, m0.z, m0.w, m1.x, m1.y, m1.z, m1.w};
@@ -732,37 +606,28 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
           const uint32_t word = reinterpret_cast<const uint32_t*>(&v[j])[i >> 1];  // constant after unrolling
           f[j] = (i & 1) ? In::hi(word) : In::lo(word);
         }
-        cols[i] = make_uint2(fp8::quantize4(f[0], f[1], f[2], f[3], mul[i]),
-                             fp8::quantize4(f[4], f[5], f[6], f[7], mul[i]));
+        cols[i] = make_uint2(fp8::quantize4(f[0], f[1], f[2], f[3], mul[i]) & mask_lo,
+                             fp8::quantize4(f[4], f[5], f[6], f[7], mul[i]) & mask_hi);
       }
-      TransposedTile::write(tile, sub, cols);
-      if constexpr (kAlso1x128) quantize_rows_1x128<In, kPow2>(v, sub, p, tb.row0, tb.rows, k0);
+      TransposedTile::write(stage, sub, cols);
+      if constexpr (kAlso1x128) quantize_rows_1x128<In, kPow2>(v, sub, p, sl.row0, sl.rows, k0);
+    } else if (b < p.mb_max && static_cast<int>(threadIdx.x) < kvalid) {
+      p.s[int64_t(b) * p.k + k0 + threadIdx.x] = 0.0f;  // scale rows past the used blocks
     }
-    // v and the quantized bytes are dead: prefetch the next tile, whose latency the stores hide.
+    // v and the quantized bytes are dead: prefetch the next slot, whose latency the stores hide.
     if (nxt.u < num_units) {
-      next = find_token_block(off, blk, G, nxt.b0 + nxt.j, group);
+      next = find_slot(off, col, blk, G, p.ld, p.mb_max, nxt.b0 + nxt.j, group);
       load(nxt.kb, next, v);
     }
-    __syncthreads();
+    if (sl.rows > 0) __syncthreads();  // the tile is complete
 
-    uint8_t* qt_rows = p.qt + int64_t(k0) * p.qt_ld;
-    if (tb.rows > 0)
-      carry_lo = p.line_stores
-                     ? store_token_lines_any(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo, carry,
-                                             nxt.u == cur.u && next.rows > 0)
-                     : store_token_rows(tile, qt_rows, p.qt_ld, kvalid, tb.row0, tb.rows, carry_lo,
-                                        carry + (cur.j & 1) * kBlock, nxt.u == cur.u && next.rows > 0,
-                                        carry + ((cur.j + 1) & 1) * kBlock);
-    // Padding that belongs to no token block (the qt pitch columns m..qt_ld-1, the 1x128 scale entries
-    // m..s1_ld-1): the tiles of the last block index, one per column block, write it.
-    if (b == p.mb_max - 1) {
-      if (threadIdx.x < kvalid)
-        for (int64_t c0 = p.m & ~15; c0 < p.qt_ld; c0 += 16)
-          store_bytes(qt_rows + threadIdx.x * p.qt_ld + c0, make_uint4(0u, 0u, 0u, 0u),
-                      static_cast<int>(max(int64_t(0), p.m - c0)), static_cast<int>(min(int64_t(16), p.qt_ld - c0)));
-      if constexpr (kAlso1x128)
-        if (p.m + static_cast<int>(threadIdx.x) < p.s1_ld) p.s1[int64_t(k0 / kBlock) * p.s1_ld + p.m + threadIdx.x] = 1.0f;
-    }
+    store_slot(stage, p.qt + int64_t(k0) * p.ld, p.ld, kvalid, sl.col, sl.chunks, run_col, sl.rows == 0,
+               nxt.u == cur.u);
+    // The 1x128 scale padding (entries m..s1_ld-1) belongs to no token block: the last slot of each column
+    // block writes it.
+    if constexpr (kAlso1x128)
+      if (b == p.mb_max && p.m + static_cast<int>(threadIdx.x) < p.s1_ld)
+        p.s1[int64_t(k0 / kBlock) * p.s1_ld + p.m + threadIdx.x] = 1.0f;
     cur = nxt;
   }
 }
