@@ -5,6 +5,8 @@ megatron_tma.reference on the same input. Writes benchmarks/results/quant-<stamp
     python benchmarks/bench_quant.py [--quick] [--iters N] [--out DIR]
 
 tbps = (bytes read + bytes written, padding and scales included) / median time; copy_ratio = tbps / copy_tbps.
+The column quantizers write the whole wgrad operand qt [K, P], P = round_up(M, 16) + 16 G (DESIGN.md §4: every
+group starts at a multiple of 16 tokens, the columns between groups and the tail are written as zeros).
 """
 import argparse
 import os
@@ -14,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_k_grouped import wgrad_pitch  # noqa: E402
 
 from megatron_tma import reference  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
@@ -97,7 +100,7 @@ def run_config(kernel, shape, extra, seed, iters):
         row.update(G=G, dist=dist)
         x = _rows_with_spread(m, k, gen)
         groups = make_group_sizes(m, G, dist, seed).cuda()
-        nbytes = 2 * m * k + k * _cdiv(m, 16) * 16 + (m // 128 + G) * k * 4
+        nbytes = 2 * m * k + k * wgrad_pitch(m, G) + (m // 128 + G) * k * 4  # x read; qt [K, P] and scales written
         if kernel == "quantize_grouped_128x1":
             fn = lambda: quantize_grouped_128x1(x, groups, pow2, backend="cuda")  # noqa: E731
             ref = lambda: reference.quantize_grouped_128x1(x, groups, pow2)  # noqa: E731

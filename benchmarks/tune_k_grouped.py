@@ -2,8 +2,10 @@
 the issue's two reference shapes and the wgrads of the Mixtral / DeepSeek-V3 / Qwen3 layers, large and small
 groups, FP32 accumulate and BF16 out. `fp32+=` accumulates into a 16-byte aligned C (shared-memory + TMA
 epilogue), `fp32+=r` into one 8 bytes off (register epilogue): the A/B of the two FP32 epilogues. Prints ms, TFLOPS
-and the roofline ratio of issue 4 (ceilings measured in the same process); `same` says that repeated calls give
-the same bits (and, for fp32+=r, the TMA epilogue's bits). A quick look between full benchmark runs;
+and the roofline ratio of issue 4 (bench_k_grouped.roofline_ms: BF16 written, or FP32 read + written; ceilings
+measured in the same process); `same` says that repeated calls give the same bits (and, for fp32+=r, the TMA
+epilogue's bits). The operands are the quantizer's [K, P] / [N, P] columns, every group starting at a multiple
+of 16 tokens (DESIGN.md §4; P = round_up(M, 16) + 16 G, checked here). A quick look between full benchmark runs;
 writes nothing.
 
     python benchmarks/tune_k_grouped.py [--iters 15] [--quick]
@@ -16,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_k_grouped import roofline_ms, wgrad_pitch  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
@@ -41,6 +44,7 @@ def main():
         dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
         xt, xs = quant.quantize_grouped_128x1(x, groups)
         dyt, dys = quant.quantize_grouped_128x1(dy, groups)
+        assert xt.shape == (K, wgrad_pitch(M, G)) and dyt.shape == (N, wgrad_pitch(M, G)), (xt.shape, dyt.shape)
         del x, dy
         flops = 2.0 * M * N * K
         c_shared = torch.randn(G, N, K, generator=gen, device="cuda")  # one C for both FP32 rows: same bits expected
@@ -48,8 +52,7 @@ def main():
             # fp32+=r: the same accumulate into an `out` 8 bytes off 16-byte alignment, which takes the
             # register epilogue instead of shared memory + TMA (same bits; the A/B of the two epilogues)
             c = c_shared if out.startswith("fp32") else None
-            nbytes = (M * (N + K) + (M // 128 + G) * (N + K) * 4 + G * N * K * (8 if c is not None else 2))
-            roof = max(flops / (ceil["dense_fp8_tflops"] * 1e9), nbytes / (ceil["copy_tbps"] * 1e9))
+            roof = roofline_ms(G, M, N, K, "fp32_acc" if c is not None else "bf16", ceil)
             if c is not None:
                 def fresh_c(c=c):  # a copy of C, 16-byte aligned (fp32+=) or 8 bytes past it (fp32+=r)
                     shift = 2 if out == "fp32+=r" else 0

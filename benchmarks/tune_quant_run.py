@@ -4,8 +4,9 @@ The grouped quantizers hand each CTA runs of consecutive 128-token blocks; the l
 (min(8, tiles / (4 x resident CTAs))). MEGATRON_TMA_QUANT_RUN, read on every call, overrides it; this script
 times each length on a few shapes, for two kinds of input: plain Gaussian rows, and the benchmark's rows
 with per-row magnitudes 2^-8..2^8 (bench_quant.py), and (--lines auto,1,0) with the whole-line stores as the
-launcher picks them, forced on, forced off (MEGATRON_TMA_QUANT_LINES; every shape here has 128-byte aligned qt rows). Same timing protocol as the benchmarks (CUDA events, L2
-flushed, median). Prints TB/s of bytes read + written; writes nothing.
+launcher picks them, forced on, forced off (MEGATRON_TMA_QUANT_LINES; every shape here has 128-byte aligned qt rows:
+qt is [K, P], P = round_up(M, 16) + 16 G). Same timing protocol as the benchmarks (CUDA events, L2 flushed,
+median). Prints TB/s of bytes read + written (the whole qt written); writes nothing.
 
     python benchmarks/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
 """
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_k_grouped import wgrad_pitch  # noqa: E402
 from bench_quant import _rows_with_spread  # noqa: E402
 
 from megatron_tma.groups import make_group_sizes  # noqa: E402
@@ -39,7 +41,7 @@ def main():
     for m, k, G, fused in SHAPES:
         groups = make_group_sizes(m, G, "paper", seed=2000 + m + G).cuda()
         f = quantize_1x128_and_grouped_128x1 if fused else quantize_grouped_128x1
-        nbytes = 2 * m * k + k * (-(-m // 16) * 16) + (m // 128 + G) * k * 4 + (m * k if fused else 0)
+        nbytes = 2 * m * k + k * wgrad_pitch(m, G) + (m // 128 + G) * k * 4 + (m * k if fused else 0)
         for kind in ("gaussian", "spread"):
             x = (torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16) if kind == "gaussian"
                  else _rows_with_spread(m, k, gen))

@@ -31,7 +31,23 @@ def _fake_ops():
     def m_grouped_out(a, a_scales, b, b_scales, groups, out, block_n=0, block_m=0):
         return None
 
-    def k_grouped_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate=False):
+    checked = []
+
+    def k_grouped_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate=False, *rest):
+        # The op writes `out` in place. Its operands are the quantizer fakes' wgrad columns, dy_t [N, P] and
+        # x_t [K, P] with the same P (DESIGN.md §4: P = round_up(M, 16) + 16 G once the 16-aligned quantizer is
+        # in), and out is [G, N, K] with G <= the scales' rows: checked on the first call only, so that the
+        # timed steps carry no work the real op's Python side does not do.
+        if not checked:
+            n, p = dy_t.shape
+            k, p2 = x_t.shape
+            mb = dy_t_scales.shape[0]
+            ok = (p2 == p and tuple(out.shape[1:]) == (n, k) and out.shape[0] <= mb
+                  and tuple(dy_t_scales.shape) == (mb, n) and tuple(x_t_scales.shape) == (mb, k))
+            if not ok:
+                raise AssertionError(f"k_grouped op handed dy_t {tuple(dy_t.shape)}, x_t {tuple(x_t.shape)}, scales "
+                                     f"{tuple(dy_t_scales.shape)} / {tuple(x_t_scales.shape)}, out {tuple(out.shape)}")
+            checked.append(True)
         return None
 
     def act_forward(h, probs, act):

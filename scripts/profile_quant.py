@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
+from bench_k_grouped import wgrad_pitch  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
@@ -36,7 +37,8 @@ def main():
     calls = {
         f"quantize_128x128 [{g}, {n}, {k}]": (lambda: quant.quantize_128x128(w), 4 * w.numel()),
         f"quantize_1x128_and_grouped_128x1 [{m}, {ka}] G={ga}":
-            (lambda: quant.quantize_1x128_and_grouped_128x1(x, sizes, num_groups=ga), 4 * x.numel()),
+            (lambda: quant.quantize_1x128_and_grouped_128x1(x, sizes, num_groups=ga),
+             3 * x.numel() + ka * wgrad_pitch(m, ga)),  # x read, q [M, K] and qt [K, P] written
     }
     if args.profile:
         for fn, _ in calls.values():

@@ -38,8 +38,28 @@ c0 = torch.randn(G, N, K, device=dev)
 dacc = c0.clone()
 k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=dacc, accumulate=True)  # FP32: C loaded and stored by TMA
 kb16 = kb16 and torch.equal(dacc, c0 + dw)
+# The wgrad layout (DESIGN.md §4): contiguous [K, P], P = round_up(M, 16) + 16 G, group g at column a_g (a multiple of
+# 16; here 0, 112, 112, 256), every other column zero; and the bits of the padded path (each group padded with
+# zero tokens to a multiple of 128, quantized and multiplied by the same kernel).
+P = -(-M // 16) * 16 + 16 * G
+tok = torch.zeros(P, dtype=torch.bool, device=dev)
+a = 0
+for s in sizes.tolist():
+    tok[a:a + s] = True
+    a += -(-s // 16) * 16
+klay = all(t.shape == (r, P) and t.is_contiguous() and not bool(t.view(torch.uint8)[:, ~tok].any())
+           for t, r in ((xt, K), (dyt, N)))
+x_pad, _, psizes = R.pad_groups_rows(x, None, sizes, 128)
+dy_pad, _, _ = R.pad_groups_rows(dy, None, sizes, 128)
+(xpt, xps), (dypt, dyps) = R.quantize_grouped_128x1(x_pad, psizes), R.quantize_grouped_128x1(dy_pad, psizes)
+kpad = torch.equal(k_grouped_fp8_gemm(dypt, dyps, xpt, xps, psizes), dw)
+kpad = kpad and torch.equal(k_grouped_fp8_gemm(dypt, dyps, xpt, xps, psizes, out_dtype=torch.bfloat16), dwb)
+dpad = c0.clone()
+k_grouped_fp8_gemm(dypt, dyps, xpt, xps, psizes, out=dpad, accumulate=True)
+kpad = kpad and torch.equal(dpad, dacc)
 print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}, "
-      f"bf16 out = rounded fp32 and accumulate = C + result: {kb16}", flush=True)
+      f"bf16 out = rounded fp32 and accumulate = C + result: {kb16}, [K, P] layout: {klay}, "
+      f"padded path's bits: {kpad}", flush=True)
 # The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
 # parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
@@ -70,6 +90,6 @@ for act in ACTIVATIONS:
     torch.cuda.synchronize()
     aok &= all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-6) for a, b in zip(*outs))
 print(f"activation kernels close to the torch path: {aok}", flush=True)
-ok = d < 1e-3 and dk < 1e-3 and kb16 and qok and aok
+ok = d < 1e-3 and dk < 1e-3 and kb16 and klay and kpad and qok and aok
 print("SMOKE", "OK" if ok else "FAILED")
 sys.exit(0 if ok else 1)

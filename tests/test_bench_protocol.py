@@ -28,3 +28,319 @@ def test_every_timed_call_follows_its_own_kind(iters, warmup, rounds):
 def test_one_method_schedule():
     seq = common.block_schedule(["only"], iters=10, warmup=2, rounds=5)
     assert seq == ([("only", False)] * 2 + [("only", True)] * 2) * 5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# benchmarks/bench_k_grouped.py: the layout bookkeeping, the roofline per output kind, the row schema and the
+# summary's filters (pure Python; the GPU part of the benchmark cannot run here).
+# --------------------------------------------------------------------------------------------------------------
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BENCH = os.path.join(_ROOT, "benchmarks")
+
+
+def _load_bench_k_grouped():
+    import sys
+    if _BENCH not in sys.path:
+        sys.path.insert(0, _BENCH)
+    import bench_k_grouped
+    return bench_k_grouped
+
+
+bkg = _load_bench_k_grouped()
+
+SIZE_CASES = [[0, 1, 127, 128, 129], [129, 0, 128, 1, 0, 127, 0], [1], [3, 0, 5], [128], [0, 0, 0, 129],
+              [15, 16, 17, 31, 32, 33], [100, 0, 129, 27], [765, 4000, 2301, 1], [0]]
+
+
+def _our_layout(sizes, k=3):
+    """[k, P] int tensor laid out as the spec says, token t of group g holding (its global index + 1) * (row + 1)."""
+    import torch
+    m, g = sum(sizes), len(sizes)
+    a = bkg.group_starts(sizes, 16)
+    qt = torch.zeros(k, bkg.wgrad_pitch(m, g), dtype=torch.int64)
+    tok = 0
+    for gi, s in enumerate(sizes):
+        for t in range(s):
+            qt[:, a[gi] + t] = (tok + 1) * torch.arange(1, k + 1)
+            tok += 1
+    return qt
+
+
+@pytest.mark.parametrize("sizes", SIZE_CASES, ids=lambda s: "-".join(map(str, s)))
+def test_k_grouped_layout_bookkeeping(sizes):
+    import torch
+    m, g = sum(sizes), len(sizes)
+    p = bkg.wgrad_pitch(m, g)
+    assert p == -(-m // 16) * 16 + 16 * g and p % 16 == 0
+    a = bkg.group_starts(sizes, 16)
+    assert a[0] == 0 and all(x % 16 == 0 for x in a) and a[-1] <= p - g  # the tail always holds a zero column
+    cols = bkg.token_columns(sizes)
+    assert len(cols) == m and len(set(cols)) == m and max(cols, default=0) < p - 1
+    ours = _our_layout(sizes)
+    assert int((ours[:, cols] == 0).sum()) == 0 and int(ours.ne(0).sum()) == 3 * m  # zero outside the groups
+    # the padded layout: every group round_up(M_g, 128) tokens; real tokens first, zero rows after
+    psizes = bkg.padded_sizes(sizes)
+    assert all(q % 128 == 0 and q - s < 128 for q, s in zip(psizes, sizes))
+    idx = bkg.padded_column_index(sizes)
+    assert len(idx) == bkg.wgrad_pitch(sum(psizes), g)
+    expected = torch.zeros(3, len(idx), dtype=torch.int64)
+    start, tok = 0, 0
+    for s, q in zip(sizes, psizes):
+        for t in range(s):
+            expected[:, start + t] = (tok + 1) * torch.arange(1, 4)
+            tok += 1
+        start += q
+    assert torch.equal(ours[:, torch.tensor(idx, dtype=torch.int64)], expected)
+    # rows scattered into groups of dst_sizes: group g's tokens at the start of its destination group
+    dest = bkg.scatter_rows(sizes, psizes)
+    assert len(dest) == m and dest == [c for c, v in enumerate(expected[0].tolist()) if v]
+
+
+def test_k_grouped_pitch_matches_the_package():
+    groups = pytest.importorskip("megatron_tma.groups")
+    if not hasattr(groups, "wgrad_pitch"):
+        pytest.skip("megatron_tma.groups.wgrad_pitch not on this branch yet (notes/wgrad16-spec.md)")
+    for sizes in SIZE_CASES:
+        assert groups.wgrad_pitch(sum(sizes), len(sizes)) == bkg.wgrad_pitch(sum(sizes), len(sizes))
+
+
+def _quantize_columns(x, sizes):
+    """The reference's wgrad column quantizer in the spec's layout: contiguous [K, P], group g at columns a_g.
+    Until the wgrad16 quantizer lands here the reference returns the old [K, M] view (groups back to back): its
+    columns are moved to the new places (the scales are the same in both layouts)."""
+    import torch
+    from megatron_tma import reference as R
+    qt, s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
+    m, k, g = x.shape[0], x.shape[1], len(sizes)
+    if tuple(qt.shape) == (k, bkg.wgrad_pitch(m, g)) and qt.is_contiguous():
+        return qt, s
+    assert tuple(qt.shape) == (k, m)
+    new = torch.zeros(k, bkg.wgrad_pitch(m, g), dtype=torch.uint8)
+    new[:, torch.tensor(bkg.token_columns(sizes), dtype=torch.int64)] = qt.view(torch.uint8)
+    return new.view(qt.dtype), s
+
+
+def test_k_grouped_gather_equals_quantizing_the_padded_input():
+    """What the benchmark asserts on the GPU, on the CPU reference: our qt's columns gathered by
+    padded_column_index are the quantizer's output on the zero-padded x with sizes round_up(M_g, 128)."""
+    import torch
+    gen = torch.Generator().manual_seed(7)
+    sizes = [0, 1, 127, 128, 129, 17, 0, 300]
+    m, k = sum(sizes), 32
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    qt, s = _quantize_columns(x, sizes)
+    psizes = bkg.padded_sizes(sizes)
+    x_pad = torch.zeros(sum(psizes), k, dtype=x.dtype)
+    x_pad[torch.tensor(bkg.scatter_rows(sizes, psizes))] = x
+    rq, rs = _quantize_columns(x_pad, psizes)
+    gathered = qt.view(torch.uint8)[:, torch.tensor(bkg.padded_column_index(sizes))]
+    assert torch.equal(gathered, rq.view(torch.uint8))
+    s_pad = torch.zeros_like(rs)
+    s_pad[:s.shape[0]] = s
+    assert torch.equal(s_pad, rs)
+    outside = torch.ones(qt.shape[1], dtype=torch.bool)
+    outside[torch.tensor(bkg.token_columns(sizes))] = False
+    assert not bool(qt.view(torch.uint8)[:, outside].any())
+
+
+CEIL = {"copy_tbps": 4.0, "dense_fp8_tflops": 1000.0}
+
+
+def test_k_grouped_roofline_per_out_kind():
+    G, M, N, K = 8, 16384, 4096, 4096
+    operands = (N + K) * M + (M // 128 + G) * (N + K) * 4
+    assert bkg.roofline_bytes(G, M, N, K, "bf16") == operands + 2 * G * N * K  # BF16 written
+    assert bkg.roofline_bytes(G, M, N, K, "fp32_acc") == operands + 8 * G * N * K  # FP32 read + written
+    compute = 2.0 * M * N * K / (CEIL["dense_fp8_tflops"] * 1e9)
+    assert bkg.roofline_ms(G, M, N, K, "bf16", CEIL) == pytest.approx(max(compute, (operands + 2 * G * N * K) / 4e9))
+    # small groups, FP32 accumulate: the output traffic bounds it
+    G, M, N, K = 32, 8192, 4096, 7168
+    assert bkg.roofline_ms(G, M, N, K, "fp32_acc", CEIL) == pytest.approx(bkg.roofline_bytes(G, M, N, K, "fp32_acc")
+                                                                        / 4e9)
+    with pytest.raises(KeyError):
+        bkg.roofline_bytes(G, M, N, K, "fp16")
+
+
+def test_k_grouped_timing_plan_and_call_count():
+    from bench_m_grouped import DISTS, MORE, TABLE
+    full = [(c, d) for c in TABLE + MORE for d in DISTS]
+    plan = bkg.timing_plan(full)
+    assert len(full) == 30 and len(plan) == 30
+    shapes = {(M, N, K) for (G, M, N, K), _ in full}
+    assert sum(n.count("dense_cublas@bf16") for n in plan) == len(shapes)  # once per (M, N, K)
+    for names in plan:
+        assert {n for n in names if not n.startswith("dense_cublas")} == {
+            f"{m}@{k}" for k in bkg.OUT_KINDS for m in bkg.METHODS[k] if m != "dense_cublas"}
+    assert bkg.timed_calls(full, 25) == 25 * (30 * 9 + len(shapes)) == 7000
+    assert bkg.timed_calls([(c, "paper") for c in TABLE], 25) == 25 * 5 * 10
+
+
+def _rows_of(G, M, results, bitexact=(True, True)):
+    rows = {kind: {"G": G, "M": M, "N": 4096, "K": 4096, "dist": "paper", "out": kind, "tokens_per_group": M / G,
+                   "roofline_ms": 1.0} for kind in bkg.OUT_KINDS}
+    bkg.assign_timings(rows, results, flops=2.0 * M * 4096 * 4096)
+    for kind, ok in zip(bkg.OUT_KINDS, bitexact):
+        rows[kind]["bitexact"] = ok
+    return [bkg.finish_row(rows[kind]) for kind in bkg.OUT_KINDS]
+
+
+def test_k_grouped_row_schema():
+    results = {"ours@bf16": 1.0, "padded_path@bf16": 2.0, "padded_gemm@bf16": 1.5, "torch_rowwise@bf16": 1.25,
+               "bf16@bf16": 2.5, "dense_cublas@bf16": 0.5, "ours@fp32_acc": 2.0, "padded_path@fp32_acc": 3.0,
+               "padded_gemm@fp32_acc": "RuntimeError: no", "bf16_fp32_acc@fp32_acc": 4.0}
+    bf, fa = _rows_of(8, 16384, results)
+    assert bf["out"] == "bf16" and fa["out"] == "fp32_acc"
+    assert bf["ours_ms"] == 1.0 and bf["ours_over_roofline"] == 1.0 and fa["ours_over_roofline"] == 2.0
+    assert bf["speedup_vs_bf16"] == 2.5 and bf["speedup_vs_torch_rowwise"] == 1.25
+    assert bf["speedup_vs_padded_path"] == 2.0 and bf["speedup_vs_dense_cublas"] == 0.5
+    assert fa["speedup_vs_padded_path"] == 1.5 and fa["speedup_vs_bf16_fp32_acc"] == 2.0
+    assert fa["padded_gemm_error"] == "RuntimeError: no" and "speedup_vs_padded_gemm" not in fa
+    # check-targets' torch-rowwise ratio reads every row that has torch_rowwise_ms, its bf16 ratio the BF16 rows
+    assert not any(key in fa for key in ("torch_rowwise_ms", "bf16_ms", "speedup_vs_torch_rowwise",
+                                         "speedup_vs_bf16"))
+    assert bf["ours_tflops"] == pytest.approx(2.0 * 16384 * 4096 * 4096 / 1e9, rel=1e-3)
+
+
+def _synthetic_run():
+    rows = []
+    # (G, M, ours bf16, ours fp32_acc): 2048 and 4096 tokens per group count as big groups, 512 not
+    for G, M, o_bf, o_fa in ((8, 16384, 1.0, 1.2), (4, 16384, 1.25, 1.0), (32, 16384, 2.0, 4.0)):
+        rows += _rows_of(G, M, {"ours@bf16": o_bf, "padded_path@bf16": 2.0, "padded_gemm@bf16": 1.5,
+                                "torch_rowwise@bf16": 2.5, "bf16@bf16": 4.0, "ours@fp32_acc": o_fa,
+                                "padded_path@fp32_acc": 3.0, "padded_gemm@fp32_acc": 2.0,
+                                "bf16_fp32_acc@fp32_acc": 5.0})
+    return rows
+
+
+def test_k_grouped_summary_filters():
+    import math
+    rows = _synthetic_run()
+    s = bkg.summarize(rows)
+    assert s["max_ours_over_roofline_bf16"] == 2.0 and s["max_ours_over_roofline_fp32_acc"] == 4.0
+    assert s["max_ours_over_roofline"] == 4.0
+    big = [1.0, 1.2, 1.25, 1.0]  # the G=32, M=16384 rows (512 tokens per group) are left out
+    assert s["geomean_ours_over_roofline_big_groups"] == pytest.approx(math.prod(big) ** 0.25, abs=1e-4)
+    assert s["geomean_ours_over_roofline_big_groups_bf16"] == pytest.approx((1.0 * 1.25) ** 0.5, abs=1e-4)
+    assert s["geomean_vs_torch_rowwise"] == pytest.approx((2.5 * 2.0 * 1.25) ** (1 / 3), abs=1e-4)
+    assert s["min_vs_torch_rowwise"] == 1.25 and s["min_vs_bf16"] == 2.0
+    assert s["geomean_vs_bf16"] == pytest.approx((4.0 * 3.2 * 2.0) ** (1 / 3), abs=1e-4)
+    assert s["all_bitexact"] is True
+    rows[3]["bitexact"] = False
+    assert bkg.summarize(rows)["all_bitexact"] is False
+    assert bkg.summarize([])["geomean_vs_bf16"] is None
+
+
+def test_k_grouped_rows_read_by_check_targets(tmp_path, monkeypatch):
+    """../shared/bin/check-targets (when this checkout sits next to it) reads the same figures from the rows."""
+    import importlib.machinery
+    import importlib.util
+    import json
+    path = os.path.join(_ROOT, "..", "shared", "bin", "check-targets")
+    if not os.path.exists(path):
+        pytest.skip("no ../shared/bin/check-targets next to this checkout")
+    loader = importlib.machinery.SourceFileLoader("check_targets_for_test", path)
+    ct = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(ct)
+    rows = _synthetic_run()
+    s = bkg.summarize(rows)
+    (tmp_path / "k.json").write_text(json.dumps({"benchmark": "k_grouped", "date": "2099", "rows": rows}))
+    monkeypatch.chdir(tmp_path)
+    fails = []
+    figure = ct.check_k_grouped(fails)
+    assert f"worst {s['max_ours_over_roofline']:.2f}x roofline" in figure
+    assert f"(big groups {s['geomean_ours_over_roofline_big_groups']:.2f})" in figure
+    assert f"x{s['geomean_vs_torch_rowwise']:.3f} vs torch rowwise" in figure
+    assert f"x{s['geomean_vs_bf16']:.3f} vs bf16" in figure
+    assert not any("bit-exact" in f for f in fails)
+
+
+def _reference_wgrad(monkeypatch):
+    """Route the benchmark's quantizer and K-grouped GEMM to the CPU reference, in the spec's layout. Until the
+    wgrad16 reference lands on this branch the old [K, M] reference is wrapped: its columns moved to a_g + t, and
+    the GEMM given back the token columns (after checking that every other column is zero)."""
+    import torch
+    from megatron_tma import reference as R
+    u8 = torch.uint8
+    probe, _ = R.quantize_grouped_128x1(torch.ones(3, 16), torch.tensor([1, 2]))
+    if tuple(probe.shape) == (16, bkg.wgrad_pitch(3, 2)):
+        return  # the reference speaks the new layout: the package's CPU path is the reference
+
+    def quantize(x, groups, *args, **kw):
+        return _quantize_columns(x, groups.tolist())
+
+    def k_gemm(dy_t, dy_s, x_t, x_s, groups, out=None, accumulate=False, out_dtype=torch.float32):
+        sizes = groups.tolist()
+        m, g = sum(sizes), len(sizes)
+        assert dy_t.shape[1] == x_t.shape[1] == bkg.wgrad_pitch(m, g) and dy_t.is_contiguous() and x_t.is_contiguous()
+        cols = torch.tensor(bkg.token_columns(sizes), dtype=torch.int64)
+        outside = torch.ones(dy_t.shape[1], dtype=torch.bool)
+        outside[cols] = False
+        assert not dy_t.view(u8)[:, outside].any() and not x_t.view(u8)[:, outside].any()
+        res = R.k_grouped_fp8_gemm(dy_t.view(u8)[:, cols].view(dy_t.dtype), dy_s, x_t.view(u8)[:, cols].view(x_t.dtype),
+                                   x_s, groups, out=out, accumulate=accumulate, out_dtype=out_dtype)
+        if out is not None and res is not out:
+            out.copy_(res)
+            return out
+        return res
+
+    monkeypatch.setattr(bkg.quant, "quantize_grouped_128x1", quantize)
+    monkeypatch.setattr(bkg, "k_grouped_fp8_gemm", k_gemm)
+
+
+@pytest.mark.parametrize("dist", ["paper", "skewed"])
+def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
+    """run_config end to end on the CPU reference (tiny shape, timing faked: every method called once): the
+    layout and padded-layout checks pass, both rows come out with their schema and bit-exact, dense_cublas is
+    reused for the next distribution of the same shape."""
+    _reference_wgrad(monkeypatch)
+    calls = {}
+
+    def fake_bench(fns, iters=25, warmup=5):
+        out = {}
+        for i, (name, fn) in enumerate(fns.items()):
+            try:
+                fn()
+                out[name] = 1.0 + 0.5 * i
+            except Exception as e:  # noqa: BLE001 - as common._warm_up: a baseline that cannot run is recorded
+                out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            calls[name] = calls.get(name, 0) + 1
+        return out
+
+    monkeypatch.setattr(bkg.common, "bench_interleaved", fake_bench)
+    configs = [((5, 700, 32, 48), dist), ((5, 700, 32, 48), "balanced")]
+    plan = bkg.timing_plan(configs)
+    cache = {}
+    rows = []
+    for i, (((G, M, N, K), d), names) in enumerate(zip(configs, plan)):
+        rows += bkg.run_config(G, M, N, K, d, 2000 + i, 3, CEIL, names, cache, dev="cpu")
+    assert [r["out"] for r in rows] == ["bf16", "fp32_acc"] * 2
+    assert calls["dense_cublas@bf16"] == 1 and (700, 32, 48) in cache
+    for r in rows:
+        assert r["bitexact"] is True, r
+        assert r["tokens_per_group"] == 140 and r["roofline_ms"] > 0 and r["ours_over_roofline"] > 0
+        assert "speedup_vs_padded_path" in r and "speedup_vs_padded_gemm" in r
+        if r["out"] == "bf16":
+            assert "bf16_ms" in r and "speedup_vs_bf16" in r and "dense_cublas_ms" in r
+            assert "torch_rowwise_ms" in r or "torch_rowwise_error" in r  # no _scaled_grouped_mm on the CPU
+        else:
+            assert "bf16_fp32_acc_ms" in r and not any(k.startswith(("torch_rowwise", "bf16_ms", "speedup_vs_bf16_"))
+                                                       and k != "speedup_vs_bf16_fp32_acc" for k in r)
+    assert rows[2]["dense_cublas_ms"] == rows[0]["dense_cublas_ms"]
+
+
+def test_k_grouped_layout_check_catches_a_bad_quantizer(monkeypatch):
+    """The benchmark refuses operands with a non-zero byte outside the groups' columns."""
+    import torch
+    _reference_wgrad(monkeypatch)
+    good = bkg.quant.quantize_grouped_128x1
+
+    def dirty(x, groups, *a, **kw):
+        qt, s = good(x, groups, *a, **kw)
+        qt = qt.clone()
+        qt.view(torch.uint8)[:, -1] = 1  # the last column is always outside the groups
+        return qt, s
+
+    monkeypatch.setattr(bkg.quant, "quantize_grouped_128x1", dirty)
+    with pytest.raises(AssertionError, match="outside the groups"):
+        bkg.run_config(4, 300, 32, 32, "paper", 1, 3, CEIL, bkg.timing_plan([((4, 300, 32, 32), "paper")])[0], {},
+                       dev="cpu")
