@@ -47,7 +47,7 @@ from bench_m_grouped import DISTS, MORE, TABLE, geomean, rowwise_fp8  # noqa: E4
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
-from megatron_tma.groups import make_group_sizes  # noqa: E402
+from megatron_tma.groups import make_group_sizes, wgrad_pitch  # noqa: E402
 
 OUT_KINDS = ("bf16", "fp32_acc")
 # Methods timed per output kind, ours first; the others are the row's baselines (speedup_vs_<base>).
@@ -64,11 +64,6 @@ PAD_ALIGN = 128          # the padded baseline's group alignment (DeepGEMM's K-g
 # ---------------------------------------------------------------------------------------------------------------
 def round_up(v: int, a: int) -> int:
     return -(-v // a) * a
-
-
-def wgrad_pitch(m_total: int, num_groups: int) -> int:
-    """Columns P of the wgrad operands qt [K, P] (DESIGN §4, notes/wgrad16-spec.md): round_up(M, 16) + 16 G."""
-    return round_up(m_total, 16) + 16 * num_groups
 
 
 def group_starts(sizes, align: int) -> list:

@@ -96,28 +96,11 @@ def test_k_grouped_layout_bookkeeping(sizes):
     assert len(dest) == m and dest == [c for c, v in enumerate(expected[0].tolist()) if v]
 
 
-def test_k_grouped_pitch_matches_the_package():
-    groups = pytest.importorskip("megatron_tma.groups")
-    if not hasattr(groups, "wgrad_pitch"):
-        pytest.skip("megatron_tma.groups.wgrad_pitch not on this branch yet (notes/wgrad16-spec.md)")
-    for sizes in SIZE_CASES:
-        assert groups.wgrad_pitch(sum(sizes), len(sizes)) == bkg.wgrad_pitch(sum(sizes), len(sizes))
-
-
 def _quantize_columns(x, sizes):
-    """The reference's wgrad column quantizer in the spec's layout: contiguous [K, P], group g at columns a_g.
-    Until the wgrad16 quantizer lands here the reference returns the old [K, M] view (groups back to back): its
-    columns are moved to the new places (the scales are the same in both layouts)."""
+    """The reference's wgrad column quantizer: contiguous [K, P], group g at columns a_g."""
     import torch
     from megatron_tma import reference as R
-    qt, s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
-    m, k, g = x.shape[0], x.shape[1], len(sizes)
-    if tuple(qt.shape) == (k, bkg.wgrad_pitch(m, g)) and qt.is_contiguous():
-        return qt, s
-    assert tuple(qt.shape) == (k, m)
-    new = torch.zeros(k, bkg.wgrad_pitch(m, g), dtype=torch.uint8)
-    new[:, torch.tensor(bkg.token_columns(sizes), dtype=torch.int64)] = qt.view(torch.uint8)
-    return new.view(qt.dtype), s
+    return R.quantize_grouped_128x1(x, torch.tensor(sizes))
 
 
 def test_k_grouped_gather_equals_quantizing_the_padded_input():
@@ -254,45 +237,11 @@ def test_k_grouped_rows_read_by_check_targets(tmp_path, monkeypatch):
     assert not any("bit-exact" in f for f in fails)
 
 
-def _reference_wgrad(monkeypatch):
-    """Route the benchmark's quantizer and K-grouped GEMM to the CPU reference, in the spec's layout. Until the
-    wgrad16 reference lands on this branch the old [K, M] reference is wrapped: its columns moved to a_g + t, and
-    the GEMM given back the token columns (after checking that every other column is zero)."""
-    import torch
-    from megatron_tma import reference as R
-    u8 = torch.uint8
-    probe, _ = R.quantize_grouped_128x1(torch.ones(3, 16), torch.tensor([1, 2]))
-    if tuple(probe.shape) == (16, bkg.wgrad_pitch(3, 2)):
-        return  # the reference speaks the new layout: the package's CPU path is the reference
-
-    def quantize(x, groups, *args, **kw):
-        return _quantize_columns(x, groups.tolist())
-
-    def k_gemm(dy_t, dy_s, x_t, x_s, groups, out=None, accumulate=False, out_dtype=torch.float32):
-        sizes = groups.tolist()
-        m, g = sum(sizes), len(sizes)
-        assert dy_t.shape[1] == x_t.shape[1] == bkg.wgrad_pitch(m, g) and dy_t.is_contiguous() and x_t.is_contiguous()
-        cols = torch.tensor(bkg.token_columns(sizes), dtype=torch.int64)
-        outside = torch.ones(dy_t.shape[1], dtype=torch.bool)
-        outside[cols] = False
-        assert not dy_t.view(u8)[:, outside].any() and not x_t.view(u8)[:, outside].any()
-        res = R.k_grouped_fp8_gemm(dy_t.view(u8)[:, cols].view(dy_t.dtype), dy_s, x_t.view(u8)[:, cols].view(x_t.dtype),
-                                   x_s, groups, out=out, accumulate=accumulate, out_dtype=out_dtype)
-        if out is not None and res is not out:
-            out.copy_(res)
-            return out
-        return res
-
-    monkeypatch.setattr(bkg.quant, "quantize_grouped_128x1", quantize)
-    monkeypatch.setattr(bkg, "k_grouped_fp8_gemm", k_gemm)
-
-
 @pytest.mark.parametrize("dist", ["paper", "skewed"])
 def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
     """run_config end to end on the CPU reference (tiny shape, timing faked: every method called once): the
     layout and padded-layout checks pass, both rows come out with their schema and bit-exact, dense_cublas is
     reused for the next distribution of the same shape."""
-    _reference_wgrad(monkeypatch)
     calls = {}
 
     def fake_bench(fns, iters=25, warmup=5):
@@ -331,7 +280,6 @@ def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
 def test_k_grouped_layout_check_catches_a_bad_quantizer(monkeypatch):
     """The benchmark refuses operands with a non-zero byte outside the groups' columns."""
     import torch
-    _reference_wgrad(monkeypatch)
     good = bkg.quant.quantize_grouped_128x1
 
     def dirty(x, groups, *a, **kw):
