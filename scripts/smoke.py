@@ -60,18 +60,17 @@ kpad = kpad and torch.equal(dpad, dacc)
 print(f"k_grouped diff vs float64: {dk:.3e}, empty group zero: {bool((dw[1] == 0).all())}, "
       f"bf16 out = rounded fp32 and accumulate = C + result: {kb16}, [K, P] layout: {klay}, "
       f"padded path's bits: {kpad}", flush=True)
-# The CUDA quantizers against the reference, bit for bit; runs of 3 token blocks so that the grouped kernels'
-# parked-tail / merged-head paths (whole lines and 16-byte chunks) run on this small input too (memcheck covers them).
+# The CUDA quantizers against the reference, bit for bit; runs of 3 and of 1 token-block slots so that the grouped
+# kernels' parked-line path and its plain path both run on this small input (memcheck covers them).
 os.environ["MEGATRON_TMA_QUANT_RUN"] = "3"
-os.environ["MEGATRON_TMA_QUANT_LINES"] = "1"  # M = 256 is 128-aligned: force the whole-line stores, then chunks
 pairs = [(quant.quantize_1x128(x, backend="cuda"), R.quantize_1x128(x)),
          (quant.quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)),
          (quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)),
          (quant.quantize_1x128_and_grouped_128x1(dy, sizes, backend="cuda"),
           R.quantize_1x128(dy) + R.quantize_grouped_128x1(dy, sizes))]
-os.environ["MEGATRON_TMA_QUANT_LINES"] = "0"
+os.environ["MEGATRON_TMA_QUANT_RUN"] = "1"
 pairs.append((quant.quantize_grouped_128x1(x, sizes, backend="cuda"), R.quantize_grouped_128x1(x, sizes)))
-del os.environ["MEGATRON_TMA_QUANT_LINES"]
+del os.environ["MEGATRON_TMA_QUANT_RUN"]
 torch.cuda.synchronize()
 as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
 qok = all(torch.equal(as_bits(o), as_bits(r)) for out, ref in pairs for o, r in zip(out, ref))
