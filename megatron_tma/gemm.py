@@ -222,8 +222,9 @@ def k_grouped_fp8_gemm(
     (offsets `[G+1]` need `num_groups` or `out`).
     accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty
     group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype
-    (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous and start on an element pair
-    (8-byte aligned for FP32, 4-byte for BF16); a 16-byte aligned BF16 `out` is written with TMA stores.
+    (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous; a 16-byte aligned `out` is written
+    through TMA stores (and read by TMA when accumulating), any other one (e.g. a main_grad view at an odd float
+    offset) element by element from registers: the same values.
     """
     op = _ext.fast_op("k_grouped_fp8_gemm_out", backend, dy_t) if FAST_PATH and not debug_checks_enabled() else None
     if op is not None and (out is not None or not accumulate) and out_dtype in (torch.float32, torch.bfloat16):
@@ -249,10 +250,6 @@ def k_grouped_fp8_gemm(
             raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
         if accumulate and out.dtype != torch.float32:
             raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
-        pair_bytes = 2 * out.element_size()  # the kernel stores element pairs
-        if out.data_ptr() % pair_bytes:
-            raise ValueError(f"out must be {pair_bytes}-byte aligned (elements are stored in pairs), got an address "
-                             f"{out.data_ptr() % pair_bytes} bytes past that")
     if _ext.use_cuda(backend, device):
         _ext.ops().k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate)
         return out
