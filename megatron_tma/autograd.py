@@ -27,9 +27,11 @@ Backends: `backend="cuda" | "reference" | "auto"` goes to every quantizer and GE
 tensor happens here (the reference backend reads it inside the kernels' stand-ins), so on the CUDA backend the
 forward and backward are CUDA-graph capturable and free of host synchronisation.
 """
+import itertools
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm, quant
 from ._validate import check_same_device, check_tensor
@@ -172,16 +174,42 @@ def quantized_weights(weights: Tuple[torch.Tensor, ...], cache: Optional["FP8Wei
     return cache.get(weights, pow2, backend) if cache is not None else quantize_weights(weights, pow2, backend)
 
 
+# Optimizer steps. Version counters do not see every weight update: torch's fused optimizers (`Adam`, `AdamW`, `SGD`,
+# `Adagrad` with `fused=True`) write the parameters without moving them, and so does any optimizer that writes
+# through `p.data` (Megatron's copy of its main params, a user's own). So the cache key also holds a process-wide
+# step stamp that a global optimizer post-step hook moves after every `step()` of every `torch.optim.Optimizer`
+# (every optimizer torch ships, fused, foreach or not, and every subclass: the hook runs in the base class's step
+# wrapper), whatever it writes through. Why this and not the alternatives: it costs one global read per forward and
+# the forward stays sync-free and capturable; a device-side fingerprint of the weights would read all of them on
+# every forward (half a quantization's traffic) and deciding on it needs a host sync; a step makes every cache in
+# the process miss once, which a step's new weights need anyway. Writes through `.data` outside any optimizer
+# step stay invisible (nothing host-side changes): call `invalidate()` after them.
+# The stamp is set from a counter (`next` is atomic): every step writes a value never written before, so a step that
+# overlaps a forward in another thread cannot leave the stamp where that forward read it.
+_step_counter = itertools.count(1)
+_optimizer_step_stamp = 0
+
+
+def _note_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_step_stamp
+    _optimizer_step_stamp = next(_step_counter)
+
+
+_optimizer_step_hook = register_optimizer_step_post_hook(_note_optimizer_step)
+
+
 class FP8WeightCache:
     """The FP8 copies of one set of weights, re-made only when the weights change (once per optimizer step).
 
-    The key is every weight's data pointer and version counter, plus the first weight's shape, dtype and device
-    and the scale mode (strides are not part of it: a weight re-viewed in place is not seen). The version counter
-    moves with every in-place write through the parameter or a view of it (optimizer steps, `load_state_dict`,
-    `with torch.no_grad(): w.add_(...)`). It does NOT move with writes through `w.data` or through another tensor
-    that merely shares the memory -- which is how Megatron's distributed optimizer updates its parameter buffer.
-    After such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so whenever Megatron sets their
-    `is_first_microbatch` flag, as it does for Transformer Engine's modules.
+    The key is every weight's data pointer and version counter, the process's optimizer step stamp (above), plus
+    the first weight's shape, dtype and device and the scale mode (strides are not part of it: a weight re-viewed
+    in place is not seen). The version counter moves with every in-place write through the parameter or a view of
+    it (`load_state_dict`, `with torch.no_grad(): w.add_(...)`, non-fused optimizers); the step stamp moves after
+    every torch optimizer step, fused ones included, whatever it writes through (so is a write between a step and
+    the next forward, such as Megatron's copy of its main params into the parameter buffer). Neither sees a write
+    through `w.data` or through another tensor that shares the memory with no optimizer step since the last `get`
+    (a manual `w.data.add_()`): after such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so
+    whenever Megatron sets their `is_first_microbatch` flag, as it does for Transformer Engine's modules.
 
     The entry holds a detached alias of every weight, so that while it lives the memory of a replaced weight
     cannot be handed to a new tensor that would then match the old pointer and version. Under CUDA-graph capture
@@ -205,7 +233,7 @@ class FP8WeightCache:
         the per-call host cost is one pointer and one version read per weight."""
         first = weights[0]
         key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
-               tuple(w._version for w in weights))
+               tuple(w._version for w in weights), _optimizer_step_stamp)
         if key != self._key or self._value is None:
             self.invalidate()  # free the stale copies before making new ones: one copy at a time at the peak
             stacked, is_view = _checked_stack(tuple(weights))

@@ -43,7 +43,8 @@ host anyway, they have exactly the padded total.
 `GroupedBF16MLP` is the same layer with BF16 `torch._grouped_mm` GEMMs (PyTorch's own autograd) and the same
 activation, for comparison.
 
-Megatron integration: the FP8 weight copies are cached per weight version; Megatron's `set_is_first_microbatch()`
+Megatron integration: the FP8 weight copies are cached per weight version and optimizer step (any torch optimizer's,
+fused ones included: megatron_tma.autograd's FP8WeightCache); Megatron's `set_is_first_microbatch()`
 sets `is_first_microbatch` on every module that has it (as for Transformer Engine), and the linears here then
 re-quantize, which also covers weight updates the version counter cannot see (megatron_tma.autograd). Weights with
 a `main_grad` get their gradient accumulated there.
