@@ -198,6 +198,14 @@ def _note_optimizer_step(optimizer, args, kwargs) -> None:
 _optimizer_step_hook = register_optimizer_step_post_hook(_note_optimizer_step)
 
 
+class _CacheEntry(NamedTuple):
+    """One immutable snapshot of an FP8WeightCache: what it was made from and the copies."""
+
+    key: tuple
+    aliases: Tuple[torch.Tensor, ...]
+    value: QuantizedWeights
+
+
 class FP8WeightCache:
     """The FP8 copies of one set of weights, re-made only when the weights change (once per optimizer step).
 
@@ -215,16 +223,20 @@ class FP8WeightCache:
     cannot be handed to a new tensor that would then match the old pointer and version. Under CUDA-graph capture
     a hit records no quantization: invalidate before capturing if the graph must re-quantize on replay.
     One cache belongs to one layer (its owner), never to the process.
+
+    Threads: `get` and `invalidate` may be called from any number of threads at once (nn.DataParallel's replicas,
+    a serving thread pool). The entry is one immutable snapshot (key, aliases, copies) that `get` reads once and
+    replaces whole, and `invalidate` drops: a single attribute read or write each, atomic, so every `get` returns
+    the copies of the weights it was given, with no lock on the per-forward path. Two threads that miss at once
+    both quantize (the later snapshot stays).
     """
 
     def __init__(self) -> None:
-        self._key = None
-        self._aliases: Tuple[torch.Tensor, ...] = ()
-        self._value: Optional[QuantizedWeights] = None
+        self._entry: Optional[_CacheEntry] = None
 
     def invalidate(self) -> None:
         """Drop the FP8 copies; the next `get` quantizes again."""
-        self._key, self._aliases, self._value = None, (), None
+        self._entry = None
 
     @torch.compiler.disable  # host-side bookkeeping (pointers, versions): a graph break, not something to trace
     def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
@@ -234,15 +246,34 @@ class FP8WeightCache:
         first = weights[0]
         key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
                tuple(w._version for w in weights), _optimizer_step_stamp)
-        if key != self._key or self._value is None:
-            self.invalidate()  # free the stale copies before making new ones: one copy at a time at the peak
-            stacked, is_view = _checked_stack(tuple(weights))
-            self._value = _quantize_stacked(stacked, pow2, backend)
-            # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
-            # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
-            self._aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
-            self._key = key
-        return self._value
+        entry = self._entry  # the one read of the shared state: another thread may replace it from here on
+        if entry is not None and entry.key == key:
+            return entry.value
+        del entry
+        self._entry = None  # free the stale copies before making new ones: one copy at a time at the peak
+        stacked, is_view = _checked_stack(tuple(weights))
+        value = _quantize_stacked(stacked, pow2, backend)
+        # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
+        # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
+        aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
+        self._entry = _CacheEntry(key, aliases, value)
+        return value
+
+    # The snapshot's parts, read-only (tests and tools look at them).
+    @property
+    def _key(self):
+        entry = self._entry
+        return None if entry is None else entry.key
+
+    @property
+    def _aliases(self) -> Tuple[torch.Tensor, ...]:
+        entry = self._entry
+        return () if entry is None else entry.aliases
+
+    @property
+    def _value(self) -> Optional[QuantizedWeights]:
+        entry = self._entry
+        return None if entry is None else entry.value
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -241,6 +241,13 @@ class GroupedFP8Linear(_GroupedWeights):
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
 
+    def _replicate_for_data_parallel(self):
+        # nn.DataParallel's replicas are shallow copies of this module (its __dict__ copied): each gets a cache of
+        # its own, since it holds its device's copies of the weights and runs in a thread of its own.
+        replica = super()._replicate_for_data_parallel()
+        replica.weight_cache = FP8WeightCache()
+        return replica
+
     def _cache(self) -> FP8WeightCache:
         if self.is_first_microbatch:
             self.weight_cache.invalidate()

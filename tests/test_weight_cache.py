@@ -1,8 +1,12 @@
 """The FP8 weight cache (megatron_tma.autograd.FP8WeightCache) against every way torch updates weights, and under
 threads (issue 26, items 1 and 4). CPU, reference backend."""
+import threading
+import time
+
 import pytest
 import torch
 
+from megatron_tma import autograd
 from megatron_tma import reference as R
 from megatron_tma.mlp import GroupedFP8MLP
 
@@ -112,3 +116,74 @@ def test_any_optimizer_step_is_seen_by_a_bare_cache(gen):
     second = cache.get([w], backend="reference")
     assert second is not first
     assert torch.equal(_bits(second.q), _bits(R.quantize_128x128(w.detach())[0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Threads (issue 26 item 4)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _yield_inside_the_cache(frame, event, arg):
+    """A thread trace function that hands the GIL over at every line of FP8WeightCache.get / invalidate, so that the
+    threads interleave inside them on every call instead of once in thousands."""
+    code = frame.f_code
+    if code.co_filename == autograd.__file__ and code.co_name in ("get", "invalidate"):
+        return _yield_on_each_line
+    return None
+
+
+def _yield_on_each_line(frame, event, arg):
+    if event == "line":
+        time.sleep(0)
+    return _yield_on_each_line
+
+
+def test_get_and_invalidate_from_many_threads(gen):
+    """Threads asking one cache for the copies of three weight sets while another invalidates it: every answer is
+    the quantization of the weights it was asked for (it used to be None, or another set's copies)."""
+    sets = [(torch.randn(2, 128, 128, generator=gen) * s).bfloat16() for s in (0.1, 3.0)]
+    sets.append(sets[0][1:].clone())  # another shape too
+    want = [R.quantize_128x128(w)[1] for w in sets]  # the scales tell the sets apart
+    cache = autograd.FP8WeightCache()
+    bad, calls, stop = [], [0], threading.Event()
+
+    def ask(seed):
+        rng = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            i = int(torch.randint(len(sets), (1,), generator=rng))
+            got = cache.get([sets[i]], backend="reference")
+            calls[0] += 1
+            if got is None or not torch.equal(got.s, want[i]):
+                bad.append(i)
+
+    def invalidate():
+        while not stop.is_set():
+            cache.invalidate()
+
+    threading.settrace(_yield_inside_the_cache)
+    try:
+        killer = threading.Thread(target=invalidate)
+        askers = [threading.Thread(target=ask, args=(seed,)) for seed in range(6)]
+        killer.start()
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        stop.set()
+        killer.join()
+    finally:
+        threading.settrace(None)
+    assert not bad, f"{len(bad)} wrong answers in {calls[0]} calls"
+
+
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_data_parallel_replicas_get_their_own_caches(weight_layout):
+    """nn.DataParallel's replicas (`_replicate_for_data_parallel`, a shallow copy of each module) must not share the
+    FP8 weight cache: each replica holds other weights (its device's copies) and runs in its own thread."""
+    module = _mlp(weight_layout)
+    for lin in (module.linear_fc1, module.linear_fc2):
+        lin.weight_cache.get(tuple(lin.weights), backend="reference")
+        replica = lin._replicate_for_data_parallel()
+        assert replica.weight_cache is not lin.weight_cache
+        assert replica.weight_cache._value is None  # starts empty: nothing of the original's
+        assert lin.weight_cache._value is not None  # the original keeps its own
