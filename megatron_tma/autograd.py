@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import gemm, quant
 from ._validate import check_same_device, check_tensor
 from .groups import normalize_groups
+from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = [
     "QuantizedWeights",
@@ -406,6 +407,9 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, ba
             f"N and K must be positive multiples of 128 (the forward contracts over K and dgrad over N in "
             f"128-wide FP8 scaling blocks), got N={n}, K={k}"
         )
+    check_num_groups(g, "M_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the forward's m_grouped_fp8_gemm)")
+    if g > K_GROUPED_MAX_GROUPS and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
     normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
     return weights
 

@@ -62,6 +62,7 @@ from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
 from .groups import normalize_groups, padded_sizes, sizes_to_offsets
+from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
@@ -233,6 +234,15 @@ class GroupedFP8Linear(_GroupedWeights):
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
                  weight_layout: str = "stacked", device=None, init_method=None):
+        # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
+        # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
+        check_num_experts(num_groups, "num_groups")
+        if in_features % 128 or out_features % 128 or in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                "in_features and out_features must be positive multiples of 128 (the forward contracts over "
+                f"in_features and dgrad over out_features in 128-wide FP8 scaling blocks), got {in_features} and "
+                f"{out_features}"
+            )
         super().__init__(num_groups, in_features, out_features, weight_layout=weight_layout, device=device,
                          init_method=init_method)
         if backend not in BACKENDS:
@@ -342,6 +352,7 @@ class GroupedFP8MLP(_GroupedMLP):
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
+        check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
         if hidden_size % 128 or ffn_hidden_size % 128 or hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(
                 "hidden_size and ffn_hidden_size must be positive multiples of 128 (every FP8 GEMM of the layer "
