@@ -8,7 +8,8 @@ Public API (all take device group sizes/offsets; none reads them on the host):
     fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
     GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
     activation_times_probs                                      (megatron_tma.activation, fused on Hopper)
-The plain-torch numerics oracle is `megatron_tma.reference`; group bookkeeping is `megatron_tma.groups`.
+The plain-torch numerics oracle is `megatron_tma.reference`; group bookkeeping is `megatron_tma.groups`; the
+kernels' group limits, applied on every backend, are `megatron_tma.limits`.
 """
 from ._ext import cuda_kernels_available, has_extension  # noqa: F401
 

@@ -43,6 +43,23 @@ def check_same_device(**tensors) -> torch.device:
     return first
 
 
+def misalignment16(t: torch.Tensor) -> int:
+    """Bytes past a 16-byte boundary at which t starts. Eagerly the real address; under torch.compile (which cannot
+    trace `data_ptr()`) the storage offset's, since the caching allocator's blocks are 512-byte aligned. The
+    bindings check the address."""
+    if torch.compiler.is_compiling():
+        return t.storage_offset() * t.element_size() % 16
+    return t.data_ptr() % 16
+
+
+def check_aligned16(t: torch.Tensor, name: str, why: str) -> None:
+    """ValueError unless t starts 16-byte aligned (what TMA and the kernels' 16-byte vectors need), on every backend,
+    so that code tested on the CPU runs on the GPU."""
+    off = misalignment16(t)
+    if off:
+        raise ValueError(f"{name} must start 16-byte aligned ({why}), got an address {off} bytes past that")
+
+
 def check_multiple(value: int, of: int, what: str) -> None:
     if value % of != 0:
         raise ValueError(f"{what} must be a multiple of {of}, got {value}")

@@ -27,13 +27,16 @@ Backends: `backend="cuda" | "reference" | "auto"` goes to every quantizer and GE
 tensor happens here (the reference backend reads it inside the kernels' stand-ins), so on the CUDA backend the
 forward and backward are CUDA-graph capturable and free of host synchronisation.
 """
+import itertools
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm, quant
 from ._validate import check_same_device, check_tensor
 from .groups import normalize_groups
+from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = [
     "QuantizedWeights",
@@ -172,31 +175,69 @@ def quantized_weights(weights: Tuple[torch.Tensor, ...], cache: Optional["FP8Wei
     return cache.get(weights, pow2, backend) if cache is not None else quantize_weights(weights, pow2, backend)
 
 
+# Optimizer steps. Version counters do not see every weight update: torch's fused optimizers (`Adam`, `AdamW`, `SGD`,
+# `Adagrad` with `fused=True`) write the parameters without moving them, and so does any optimizer that writes
+# through `p.data` (Megatron's copy of its main params, a user's own). So the cache key also holds a process-wide
+# step stamp that a global optimizer post-step hook moves after every `step()` of every `torch.optim.Optimizer`
+# (every optimizer torch ships, fused, foreach or not, and every subclass: the hook runs in the base class's step
+# wrapper), whatever it writes through. Why this and not the alternatives: it costs one global read per forward and
+# the forward stays sync-free and capturable; a device-side fingerprint of the weights would read all of them on
+# every forward (half a quantization's traffic) and deciding on it needs a host sync; a step makes every cache in
+# the process miss once, which a step's new weights need anyway. Writes through `.data` outside any optimizer
+# step stay invisible (nothing host-side changes): call `invalidate()` after them.
+# The stamp is set from a counter (`next` is atomic): every step writes a value never written before, so a step that
+# overlaps a forward in another thread cannot leave the stamp where that forward read it.
+_step_counter = itertools.count(1)
+_optimizer_step_stamp = 0
+
+
+def _note_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_step_stamp
+    _optimizer_step_stamp = next(_step_counter)
+
+
+_optimizer_step_hook = register_optimizer_step_post_hook(_note_optimizer_step)
+
+
+class _CacheEntry(NamedTuple):
+    """One immutable snapshot of an FP8WeightCache: what it was made from and the copies."""
+
+    key: tuple
+    aliases: Tuple[torch.Tensor, ...]
+    value: QuantizedWeights
+
+
 class FP8WeightCache:
     """The FP8 copies of one set of weights, re-made only when the weights change (once per optimizer step).
 
-    The key is every weight's data pointer and version counter, plus the first weight's shape, dtype and device
-    and the scale mode (strides are not part of it: a weight re-viewed in place is not seen). The version counter
-    moves with every in-place write through the parameter or a view of it (optimizer steps, `load_state_dict`,
-    `with torch.no_grad(): w.add_(...)`). It does NOT move with writes through `w.data` or through another tensor
-    that merely shares the memory -- which is how Megatron's distributed optimizer updates its parameter buffer.
-    After such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so whenever Megatron sets their
-    `is_first_microbatch` flag, as it does for Transformer Engine's modules.
+    The key is every weight's data pointer and version counter, the process's optimizer step stamp (above), plus
+    the first weight's shape, dtype and device and the scale mode (strides are not part of it: a weight re-viewed
+    in place is not seen). The version counter moves with every in-place write through the parameter or a view of
+    it (`load_state_dict`, `with torch.no_grad(): w.add_(...)`, non-fused optimizers); the step stamp moves after
+    every torch optimizer step, fused ones included, whatever it writes through (so is a write between a step and
+    the next forward, such as Megatron's copy of its main params into the parameter buffer). Neither sees a write
+    through `w.data` or through another tensor that shares the memory with no optimizer step since the last `get`
+    (a manual `w.data.add_()`): after such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so
+    whenever Megatron sets their `is_first_microbatch` flag, as it does for Transformer Engine's modules.
 
     The entry holds a detached alias of every weight, so that while it lives the memory of a replaced weight
     cannot be handed to a new tensor that would then match the old pointer and version. Under CUDA-graph capture
     a hit records no quantization: invalidate before capturing if the graph must re-quantize on replay.
     One cache belongs to one layer (its owner), never to the process.
+
+    Threads: `get` and `invalidate` may be called from any number of threads at once (nn.DataParallel's replicas,
+    a serving thread pool). The entry is one immutable snapshot (key, aliases, copies) that `get` reads once and
+    replaces whole, and `invalidate` drops: a single attribute read or write each, atomic, so every `get` returns
+    the copies of the weights it was given, with no lock on the per-forward path. Two threads that miss at once
+    both quantize (the later snapshot stays).
     """
 
     def __init__(self) -> None:
-        self._key = None
-        self._aliases: Tuple[torch.Tensor, ...] = ()
-        self._value: Optional[QuantizedWeights] = None
+        self._entry: Optional[_CacheEntry] = None
 
     def invalidate(self) -> None:
         """Drop the FP8 copies; the next `get` quantizes again."""
-        self._key, self._aliases, self._value = None, (), None
+        self._entry = None
 
     @torch.compiler.disable  # host-side bookkeeping (pointers, versions): a graph break, not something to trace
     def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
@@ -205,16 +246,35 @@ class FP8WeightCache:
         the per-call host cost is one pointer and one version read per weight."""
         first = weights[0]
         key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
-               tuple(w._version for w in weights))
-        if key != self._key or self._value is None:
-            self.invalidate()  # free the stale copies before making new ones: one copy at a time at the peak
-            stacked, is_view = _checked_stack(tuple(weights))
-            self._value = _quantize_stacked(stacked, pow2, backend)
-            # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
-            # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
-            self._aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
-            self._key = key
-        return self._value
+               tuple(w._version for w in weights), _optimizer_step_stamp)
+        entry = self._entry  # the one read of the shared state: another thread may replace it from here on
+        if entry is not None and entry.key == key:
+            return entry.value
+        del entry
+        self._entry = None  # free the stale copies before making new ones: one copy at a time at the peak
+        stacked, is_view = _checked_stack(tuple(weights))
+        value = _quantize_stacked(stacked, pow2, backend)
+        # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
+        # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
+        aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
+        self._entry = _CacheEntry(key, aliases, value)
+        return value
+
+    # The snapshot's parts, read-only (tests and tools look at them).
+    @property
+    def _key(self):
+        entry = self._entry
+        return None if entry is None else entry.key
+
+    @property
+    def _aliases(self) -> Tuple[torch.Tensor, ...]:
+        entry = self._entry
+        return () if entry is None else entry.aliases
+
+    @property
+    def _value(self) -> Optional[QuantizedWeights]:
+        entry = self._entry
+        return None if entry is None else entry.value
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -347,6 +407,9 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, ba
             f"N and K must be positive multiples of 128 (the forward contracts over K and dgrad over N in "
             f"128-wide FP8 scaling blocks), got N={n}, K={k}"
         )
+    check_num_groups(g, "M_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the forward's m_grouped_fp8_gemm)")
+    if g > K_GROUPED_MAX_GROUPS and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
     normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
     return weights
 

@@ -11,8 +11,9 @@ from typing import Optional
 import torch
 
 from . import _ext
-from ._validate import FP8, check_same_device, check_tensor
+from ._validate import FP8, check_aligned16, check_same_device, check_tensor
 from .groups import check_wgrad_columns, debug_checks_enabled, normalize_groups
+from .limits import check_num_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm"]
 
@@ -39,6 +40,7 @@ def _check_m_grouped_args(a, a_scales, b, b_scales):
         raise ValueError(f"N must be a positive multiple of 16, got N={n}")
     if g < 1:
         raise ValueError("b must hold at least one group (G >= 1)")
+    check_num_groups(g, "M_GROUPED_MAX_GROUPS", "m_grouped_fp8_gemm")
     if tuple(a_scales.shape) != (m, k // 128):
         raise ValueError(f"a_scales must be [M, K/128] = {[m, k // 128]}, got {list(a_scales.shape)}")
     if m > 1 and a_scales.stride(0) != 1:
@@ -46,13 +48,25 @@ def _check_m_grouped_args(a, a_scales, b, b_scales):
             "a_scales must be the M-contiguous view returned by quantize_1x128 (stride (1, ld)), "
             f"got strides {a_scales.stride()}"
         )
-    if m > 0 and k // 128 > 1 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
+    # (also with one K block: the TMA descriptor of a_scales has the pitch as its stride, as the op checks)
+    if m > 0 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
         raise ValueError(f"a_scales' row pitch must be >= M and a multiple of 4, got {a_scales.stride(1)}")
     if tuple(b_scales.shape) != (g, (n + 127) // 128, k // 128):
         raise ValueError(
             f"b_scales must be [G, ceil(N/128), K/128] = {[g, (n + 127) // 128, k // 128]}, got {list(b_scales.shape)}"
         )
+    if m > 0:  # (with no rows nothing is read: the call returns before the kernel)
+        for t, name in ((a, "a"), (a_scales, "a_scales"), (b, "b")):
+            check_aligned16(t, name, "TMA loads it")
     return m, n, k, g
+
+
+def _check_k_grouped_kernel_limits(dy_t, x_t, num_groups) -> None:
+    """What the K-grouped op refuses beyond `_check_k_grouped_args`' rules (csrc/binding/k_grouped_fp8_gemm.cpp),
+    checked on every backend: the group count and the operands' 16-byte aligned starts."""
+    check_num_groups(num_groups, "K_GROUPED_MAX_GROUPS", "k_grouped_fp8_gemm")
+    check_aligned16(dy_t, "dy_t", "TMA loads it")
+    check_aligned16(x_t, "x_t", "TMA loads it")
 
 
 def m_grouped_fp8_gemm(
@@ -99,8 +113,9 @@ def m_grouped_fp8_gemm(
         check_tensor(out, "out", (torch.bfloat16,), dim=2, contiguous=False)
         if tuple(out.shape) != (m, n):
             raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
-        if out.stride(1) != 1 or (m > 1 and out.stride(0) % 8 != 0):
-            raise ValueError(f"out needs unit column stride and a row pitch that is a multiple of 8, got {out.stride()}")
+        if out.stride(1) != 1 or (m > 0 and (out.stride(0) % 8 != 0 or out.stride(0) < n)):
+            raise ValueError(f"out needs unit column stride and a row pitch >= N that is a multiple of 8, got "
+                             f"{out.stride()}")
         if out.data_ptr() % 16:  # TMA stores the rows (checked on every backend, so CPU-tested code runs on the GPU)
             raise ValueError(f"out must start 16-byte aligned (TMA stores its rows), got an address "
                              f"{out.data_ptr() % 16} bytes past that")
@@ -239,6 +254,7 @@ def k_grouped_fp8_gemm(
         except Exception:
             pass
     groups, device, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups)
+    _check_k_grouped_kernel_limits(dy_t, x_t, g)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is None:

@@ -43,12 +43,14 @@ host anyway, they have exactly the padded total.
 `GroupedBF16MLP` is the same layer with BF16 `torch._grouped_mm` GEMMs (PyTorch's own autograd) and the same
 activation, for comparison.
 
-Megatron integration: the FP8 weight copies are cached per weight version; Megatron's `set_is_first_microbatch()`
+Megatron integration: the FP8 weight copies are cached per weight version and optimizer step (any torch optimizer's,
+fused ones included: megatron_tma.autograd's FP8WeightCache); Megatron's `set_is_first_microbatch()`
 sets `is_first_microbatch` on every module that has it (as for Transformer Engine), and the linears here then
 re-quantize, which also covers weight updates the version counter cannot see (megatron_tma.autograd). Weights with
 a `main_grad` get their gradient accumulated there.
 """
 import functools
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -58,8 +60,9 @@ from . import _ext
 from ._validate import check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
-from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights
+from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
 from .groups import normalize_groups, padded_sizes, sizes_to_offsets
+from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
@@ -128,7 +131,13 @@ class _GroupedWeights(nn.Module):
 
     # Checkpoints: both layouts save and load Transformer Engine's keys, `weight{i}` `[N, K]` per expert (DESIGN.md
     # §6: checkpoints stay interchangeable), so a stacked module saves its parameter as G slices and loads G tensors
-    # into it. The per-expert layout needs nothing beyond nn.Module's own behaviour.
+    # into it. Both layouts load alike: missing, unexpected, mis-shaped and non-tensor entries are reported in
+    # nn.Module's words, and a linear loads all or nothing (one missing or bad expert entry leaves every expert of
+    # that linear as it was, even with strict=False: no half-loaded linear). assign=True makes the checkpoint's
+    # tensors the parameters, with their device and dtype (a module built on the meta device comes off it); in the
+    # stacked layout the G tensors become one `[G, N, K]` parameter: a view of their memory when they lie back to back
+    # in one storage (a stacked module's state dict), else a stacked copy. With torch.__future__'s
+    # swap_module_params_on_conversion the parameters are swapped in place, as nn.Module does.
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.weight_layout == "per_expert":
@@ -139,33 +148,81 @@ class _GroupedWeights(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        if self.weight_layout == "per_expert":
-            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                                 unexpected_keys, error_msgs)
         for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module does: they may rename or convert keys
             hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         keys = [f"{prefix}weight{i}" for i in range(self.num_groups)]
-        shape = (self.out_features, self.in_features)
-        missing = [k for k in keys if k not in state_dict]
-        missing_keys.extend(missing)
-        loaded = []
-        for i, key in enumerate(keys):
-            value = state_dict.get(key)
-            if value is None:
+        shape = torch.Size((self.out_features, self.in_features))
+        values, complete = [], True
+        for key in keys:
+            if key not in state_dict:
+                complete = False
+                if strict:  # as nn.Module (load_state_dict always passes strict=True and decides itself)
+                    missing_keys.append(key)
                 continue
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
-                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
-                                  f"the shape in current model is {shape}.")
+            value = state_dict[key]
+            if not torch.overrides.is_tensor_like(value):
+                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+                                  f"object from checkpoint but received {type(value)}")
+            elif value.shape != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {shape}.")
+            else:
+                values.append(value)
                 continue
-            loaded.append((i, value))
-        if not missing and len(loaded) == len(keys):  # all or nothing: no half-loaded layer
-            with torch.no_grad():
-                for i, value in loaded:
-                    self.weight[i].copy_(value)
+            complete = False
+        if complete:
+            self._load_experts(keys, values, local_metadata.get("assign_to_params_buffers", False), error_msgs)
         if strict:  # as nn.Module: any other key under this module's prefix (it has no submodules)
             own = set(keys)
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in own)
+
+    def _load_experts(self, keys, values, assign: bool, error_msgs) -> None:
+        """Copy (or assign, or swap in) the G checked expert tensors of a checkpoint, as nn.Module does per
+        parameter."""
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        params = self.weights
+        if self.weight_layout == "per_expert":
+            jobs = [(name, p, v, key) for name, p, v, key in zip(self._weight_names, params, values, keys)]
+        elif assign or swap:  # one [G, N, K] parameter made of the G tensors
+            stacked_key = keys[0][:-1]  # "<prefix>weight0" -> "<prefix>weight"
+            try:
+                source = stacked_view(values)
+                if source is None:
+                    first = values[0]
+                    if any(v.dtype != first.dtype or v.device != first.device for v in values):
+                        raise ValueError("the experts' tensors differ in dtype or device")
+                    source = torch.stack([v.detach() for v in values])
+            except Exception as ex:
+                error_msgs.append(f'While assigning the parameter named "{stacked_key}" from the experts\' entries '
+                                  f"{keys[0]}..{keys[-1]}, an exception occurred : {ex.args}.")
+                return
+            jobs = [("weight", params[0], source, stacked_key)]
+        else:  # copied expert by expert into the slices of the one parameter
+            jobs = [(None, params[0][i], v, key) for i, (v, key) in enumerate(zip(values, keys))]
+        for name, param, value, key in jobs:
+            if param.is_meta and not value.is_meta and not assign:
+                warnings.warn(f"for {key}: copying from a non-meta parameter in the checkpoint to a meta parameter in "
+                              "the current model, which is a no-op. (Did you mean to pass `assign=True` to assign "
+                              "items in the state dictionary to their corresponding key in the module instead of "
+                              "copying them in place?)", stacklevel=3)
+            try:
+                with torch.no_grad():
+                    if name is None or not (assign or swap):
+                        param.copy_(value)
+                        continue
+                    new = param.module_load(value, assign=assign) if swap else value
+                    if not isinstance(new, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=param.requires_grad)
+                    else:
+                        new.requires_grad_(param.requires_grad)
+                    if swap:
+                        torch.utils.swap_tensors(param, new)
+                    else:
+                        setattr(self, name, new)
+            except Exception as ex:
+                error_msgs.append(f'While {"swapping" if swap else "copying"} the parameter named "{key}", whose '
+                                  f"dimensions in the model are {param.size()} and whose dimensions in the checkpoint "
+                                  f"are {value.size()}, an exception occurred : {ex.args}.")
 
     def extra_repr(self) -> str:
         return (f"num_groups={self.num_groups}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -177,6 +234,15 @@ class GroupedFP8Linear(_GroupedWeights):
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
                  weight_layout: str = "stacked", device=None, init_method=None):
+        # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
+        # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
+        check_num_experts(num_groups, "num_groups")
+        if in_features % 128 or out_features % 128 or in_features <= 0 or out_features <= 0:
+            raise ValueError(
+                "in_features and out_features must be positive multiples of 128 (the forward contracts over "
+                f"in_features and dgrad over out_features in 128-wide FP8 scaling blocks), got {in_features} and "
+                f"{out_features}"
+            )
         super().__init__(num_groups, in_features, out_features, weight_layout=weight_layout, device=device,
                          init_method=init_method)
         if backend not in BACKENDS:
@@ -184,6 +250,13 @@ class GroupedFP8Linear(_GroupedWeights):
         self.backend, self.pow2_scales = backend, pow2_scales
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
+
+    def _replicate_for_data_parallel(self):
+        # nn.DataParallel's replicas are shallow copies of this module (its __dict__ copied): each gets a cache of
+        # its own, since it holds its device's copies of the weights and runs in a thread of its own.
+        replica = super()._replicate_for_data_parallel()
+        replica.weight_cache = FP8WeightCache()
+        return replica
 
     def _cache(self) -> FP8WeightCache:
         if self.is_first_microbatch:
@@ -279,6 +352,7 @@ class GroupedFP8MLP(_GroupedMLP):
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
+        check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
         if hidden_size % 128 or ffn_hidden_size % 128 or hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(
                 "hidden_size and ffn_hidden_size must be positive multiples of 128 (every FP8 GEMM of the layer "

@@ -27,8 +27,9 @@ from typing import Optional, Tuple
 import torch
 
 from . import _ext
-from ._validate import FP8, check_tensor
+from ._validate import FP8, check_aligned16, check_tensor
 from .groups import normalize_groups, wgrad_pitch
+from .limits import QUANTIZE_GROUPED_MAX_GROUPS
 
 __all__ = [
     "quantize_1x128",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
-MAX_GROUPS = 8192  # kQuantizeGroupedMaxGroups in csrc/include/megatron_tma/host/quantize.h
+MAX_GROUPS = QUANTIZE_GROUPED_MAX_GROUPS  # kQuantizeGroupedMaxGroups in csrc/include/megatron_tma/host/quantize.h
 
 
 def _cdiv(a, b):
@@ -50,6 +51,12 @@ def _cdiv(a, b):
 def _check_pow2(pow2) -> None:
     if not isinstance(pow2, bool):
         raise TypeError(f"pow2 must be a bool, got {type(pow2).__name__}")
+
+
+def _check_aligned_input(x: torch.Tensor, name: str) -> None:
+    """The quantizer ops' rule for their data input, on every backend: a 16-byte aligned start unless empty."""
+    if x.numel():
+        check_aligned16(x, name, "the kernels read rows as 16-byte vectors")
 
 
 def _check_dim16(value: int, what: str, op: str) -> None:
@@ -72,6 +79,7 @@ def quantize_1x128(
     check_tensor(x, "x", INPUT_DTYPES, dim=2)
     _check_dim16(x.shape[1], "K (the last dim of x)", "quantize_1x128")
     _check_pow2(pow2)
+    _check_aligned_input(x, "x")
     if _ext.use_cuda(backend, x.device):
         q, s = _ext.ops().quantize_1x128(x, pow2)
         return q, s
@@ -94,6 +102,7 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "aut
     _check_dim16(w.shape[-2], "N (dim -2 of w)", "quantize_128x128")
     _check_dim16(w.shape[-1], "K (the last dim of w)", "quantize_128x128")
     _check_pow2(pow2)
+    _check_aligned_input(w, "w")
     if not _ext.use_cuda(backend, w.device):
         from . import reference
 
@@ -109,6 +118,7 @@ def _check_grouped_args(x, groups, pow2, num_groups, op):
     m, k = x.shape
     _check_dim16(k, "K (the last dim of x)", op)
     _check_pow2(pow2)
+    _check_aligned_input(x, "x")
     groups, is_offsets = normalize_groups(groups, num_groups, m_total=m, device=x.device, name="groups")
     G = groups.numel() - int(is_offsets)
     if G > MAX_GROUPS:

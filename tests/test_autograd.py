@@ -583,7 +583,8 @@ def test_stacked_layout_load_errors():
         per_expert.load_state_dict(extra)
     bad = dict(good, **{"linear_fc2.weight1": torch.zeros(H, FFN + 1)})
     with pytest.raises(RuntimeError, match=r"size mismatch for linear_fc2\.weight1: copying a param with shape "
-                                           r"\(256, 129\) from checkpoint, the shape in current model is \(256, 128\)"):
+                                           r"torch\.Size\(\[256, 129\]\) from checkpoint, the shape in current "
+                                           r"model is torch\.Size\(\[256, 128\]\)"):
         module.load_state_dict(bad)
 
 

@@ -1,0 +1,189 @@
+"""The FP8 weight cache (megatron_tma.autograd.FP8WeightCache) against every way torch updates weights, and under
+threads (issue 26, items 1 and 4). CPU, reference backend."""
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_tma import autograd
+from megatron_tma import reference as R
+from megatron_tma.mlp import GroupedFP8MLP
+
+G, H, FFN = 4, 128, 128
+
+
+def _mlp(weight_layout="stacked", seed=0):
+    torch.manual_seed(seed)
+    return GroupedFP8MLP(G, H, FFN, "swiglu", backend="reference", weight_layout=weight_layout)
+
+
+def _batch(gen, sizes=(40, 24, 0, 31)):
+    x = torch.randn(sum(sizes), H, generator=gen).bfloat16()
+    target = torch.randn(sum(sizes), H, generator=gen).bfloat16()
+    return x, torch.tensor(sizes), target
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _fresh(module) -> bool:
+    """Whether every linear's FP8 copies (what its next forward multiplies with) are the quantization of its
+    weights as they are now."""
+    for lin in (module.linear_fc1, module.linear_fc2):
+        w = torch.stack([e.detach() for e in lin.expert_weights()])
+        got = lin.weight_cache.get(tuple(lin.weights), lin.pow2_scales, lin.backend)
+        want = R.quantize_128x128(w, lin.pow2_scales)
+        if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
+            return False
+    return True
+
+
+def _train(module, step, gen, steps=4):
+    """`steps` steps of MSE training; `step()` updates the weights. Returns the losses and, after each step,
+    whether the FP8 copies were fresh."""
+    x, sizes, target = _batch(gen)
+    losses, fresh = [], []
+    for _ in range(steps):
+        out, _ = module(x, sizes)
+        loss = (out.float() - target.float()).pow(2).mean()
+        losses.append(loss.item())
+        for p in module.parameters():
+            p.grad = None
+        loss.backward()
+        step()
+        fresh.append(_fresh(module))
+    return losses, fresh
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """A user's optimizer that writes the new weights through `.data` (no version counter sees it)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data.add_(p.grad, alpha=-group["lr"])
+
+
+# (SGD(fused=True) is left out: on the CPU with torch 2.13 it leaves BF16 / FP16 parameters unchanged.)
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adagrad-fused": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, fused=True),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=5.0, foreach=False),
+    "data-sgd": lambda ps: _DataSGD(ps, lr=5.0),
+}
+
+
+def test_fused_optimizers_leave_versions_alone():
+    """The premise: on the CPU, fused optimizers do not move parameter version counters (nor do .data writes)."""
+    p = torch.nn.Parameter(torch.randn(16, 16).bfloat16())
+    p.grad = torch.randn(16, 16).bfloat16()
+    torch.optim.AdamW([p], lr=1e-2, fused=True).step()
+    p.data.add_(1.0)
+    assert p._version == 0
+
+
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_training_requantizes_after_every_optimizer_step(gen, name, weight_layout):
+    """Issue 26 item 1: with AdamW(fused=True) the loss stayed flat (the FP8 copies of the initial weights)."""
+    module = _mlp(weight_layout)
+    opt = OPTIMIZERS[name](list(module.parameters()))
+    losses, fresh = _train(module, opt.step, gen)
+    assert len(set(losses)) == len(losses), losses  # every step changed the loss
+    assert losses[-1] < losses[0], losses
+    assert all(fresh), fresh
+
+
+def test_any_optimizer_step_is_seen_by_a_bare_cache(gen):
+    """The cache itself (not only the modules) misses after a step of any optimizer, here one that writes
+    through `.data` a weight the cache was never told about."""
+    from megatron_tma.autograd import FP8WeightCache
+
+    w = torch.nn.Parameter((torch.randn(2, 128, 128, generator=gen) * 0.1).bfloat16())
+    cache = FP8WeightCache()
+    first = cache.get([w], backend="reference")
+    assert cache.get([w], backend="reference") is first
+    w.grad = torch.ones_like(w)
+    _DataSGD([w], lr=0.01).step()
+    second = cache.get([w], backend="reference")
+    assert second is not first
+    assert torch.equal(_bits(second.q), _bits(R.quantize_128x128(w.detach())[0]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Threads (issue 26 item 4)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _yield_inside_the_cache(frame, event, arg):
+    """A thread trace function that hands the GIL over at every line of FP8WeightCache.get / invalidate, so that the
+    threads interleave inside them on every call instead of once in thousands."""
+    code = frame.f_code
+    if code.co_filename == autograd.__file__ and code.co_name in ("get", "invalidate"):
+        return _yield_on_each_line
+    return None
+
+
+def _yield_on_each_line(frame, event, arg):
+    if event == "line":
+        time.sleep(0)
+    return _yield_on_each_line
+
+
+def test_get_and_invalidate_from_many_threads(gen):
+    """Threads asking one cache for the copies of three weight sets while another invalidates it: every answer is
+    the quantization of the weights it was asked for (it used to be None, or another set's copies)."""
+    sets = [(torch.randn(2, 128, 128, generator=gen) * s).bfloat16() for s in (0.1, 3.0)]
+    sets.append(sets[0][1:].clone())  # another shape too
+    want = [R.quantize_128x128(w)[1] for w in sets]  # the scales tell the sets apart
+    cache = autograd.FP8WeightCache()
+    bad, calls, stop = [], [0], threading.Event()
+
+    def ask(seed):
+        rng = torch.Generator().manual_seed(seed)
+        for _ in range(300):
+            i = int(torch.randint(len(sets), (1,), generator=rng))
+            got = cache.get([sets[i]], backend="reference")
+            calls[0] += 1
+            if got is None or not torch.equal(got.s, want[i]):
+                bad.append(i)
+
+    def invalidate():
+        while not stop.is_set():
+            cache.invalidate()
+
+    threading.settrace(_yield_inside_the_cache)
+    try:
+        killer = threading.Thread(target=invalidate)
+        askers = [threading.Thread(target=ask, args=(seed,)) for seed in range(6)]
+        killer.start()
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        stop.set()
+        killer.join()
+    finally:
+        threading.settrace(None)
+    assert not bad, f"{len(bad)} wrong answers in {calls[0]} calls"
+
+
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_data_parallel_replicas_get_their_own_caches(weight_layout):
+    """nn.DataParallel's replicas (`_replicate_for_data_parallel`, a shallow copy of each module) must not share the
+    FP8 weight cache: each replica holds other weights (its device's copies) and runs in its own thread."""
+    module = _mlp(weight_layout)
+    for lin in (module.linear_fc1, module.linear_fc2):
+        lin.weight_cache.get(tuple(lin.weights), backend="reference")
+        replica = lin._replicate_for_data_parallel()
+        assert replica.weight_cache is not lin.weight_cache
+        assert replica.weight_cache._value is None  # starts empty: nothing of the original's
+        assert lin.weight_cache._value is not None  # the original keeps its own
