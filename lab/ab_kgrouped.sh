@@ -2,7 +2,9 @@
 # Lab: A/B of compile-time variants of the K-grouped kernel in one device call. Each variant is the working tree
 # built with extra nvcc flags (MEGATRON_TMA_NVCC_EXTRA) in its own copy, all in parallel; then the probe times
 # every variant in alternating processes (rotated order) and a summary prints per-variant medians.
-#   VARIANTS="base:|zwg:-DMEGATRON_TMA_KG_ZERO_PER_WG=1" ROUNDS=3 SHAPES=... DISTS=... bash lab/ab_kgrouped.sh
+#   VARIANTS="base:|x:-DSOME_MACRO=1" ROUNDS=3 SHAPES=... DISTS=... bash lab/ab_kgrouped.sh
+# The variants measured on 2026-12-02 (macros MEGATRON_TMA_KG_ZERO_PER_WG, _GROUP_MINOR, _PREFETCH_SCALES) live in
+# commits 28d18b8 and de956a0; their results in lab/results/kgrouped_ab_*.txt and benchmarks/NOTES.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; D=$OUT/ab; mkdir -p "$D"
 IFS='|' read -r -a variants <<< "${VARIANTS:-base:}"
