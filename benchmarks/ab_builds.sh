@@ -3,7 +3,7 @@
 # another tree ("base", e.g. `git archive <commit> csrc megatron_tma scripts setup.py pyproject.toml | tar -x -C
 # .ab/base`, carried to the machine as an ignored path). Both are built (in parallel, each as setup.py builds it,
 # FFMA hint rewrite included); head's M-grouped outputs on every tile shape are compared bit for bit with base's
-# (scripts/gemm_bits.py); then `ours` on the five DESIGN rows (benchmarks/time_m_grouped_rows.py) is timed for
+# (scripts/gemm_bits.py); then `ours` on the five reference rows of docs/design.md §5 (benchmarks/time_m_grouped_rows.py) is timed for
 # both builds and each tile shape in ARGSETS, alternating processes in rotated order (the same build moves by a
 # few % between processes), and benchmarks/ab_summary.py prints each variant's geomean against base's.
 #   usage (GPU machine, repo root, wheels on PYTHONPATH):

@@ -1,7 +1,7 @@
 # Shared by the A/B tools (tune_ffma_hints.sh, ab_builds.sh): time variants of the built extension in alternating
 # processes, because the same build moves by a few % between processes. A variant is "<name>[ <args>]": before
 # each process SO_DIR/<name>.so is copied over the extension EXT_SO, and benchmarks/time_m_grouped_rows.py <args>
-# times `ours` on the five DESIGN rows. ROUNDS rounds, each in rotated order; one JSON line per process is appended
+# times `ours` on the five reference rows (docs/design.md §5). ROUNDS rounds, each in rotated order; one JSON line per process is appended
 # to $D/times.jsonl (benchmarks/ab_summary.py reads it), stderr to $D/err.log.
 #   usage: source benchmarks/ab_rounds.sh; time_rotated SO_DIR EXT_SO ROUNDS variant...
 time_rotated() {

@@ -1,4 +1,4 @@
-"""Measurement protocol shared by every benchmark (DESIGN.md §5).
+"""Measurement protocol shared by every benchmark (docs/design.md §5).
 
 CUDA events around each call, an L2 flush (a >= 256 MB write) before each timed call, warm-up first, the
 median of >= 20 timings. Ceilings (device-to-device copy bandwidth, dense FP8 GEMM rate) are measured in the
@@ -165,7 +165,7 @@ def git_commit() -> str:
 
 
 def write_result(benchmark: str, rows, ceilings: dict, command: str, extra: dict = None, out_dir: str = None) -> str:
-    """Write the DESIGN §5 JSON; returns its path under benchmarks/results (and copies it to out_dir)."""
+    """Write the docs/design.md §5 JSON; returns its path under benchmarks/results (and copies it to out_dir)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     doc = {
         "benchmark": benchmark,

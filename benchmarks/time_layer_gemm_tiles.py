@@ -7,7 +7,7 @@ where a tile's fixed costs weigh more. This is the evidence for the default tile
     python benchmarks/time_layer_gemm_tiles.py [--models qwen3_30b_a3b,deepseek_v3] [--tokens 8192,32768]
                                                [--dists paper] [--iters 20] [--out FILE.json]
 
-Methods, timed interleaved in one process (DESIGN §5 protocol): `default` (the tile the launcher picks, named in
+Methods, timed interleaved in one process (docs/design.md §5 protocol): `default` (the tile the launcher picks, named in
 `default_tile`) and each forced tile 128x128, 128x192, 192x128. Prints one line per GEMM and a per-model summary:
 the default's time against the best forced tile's.
 """

@@ -1,4 +1,4 @@
-"""`ours` alone on bench_m_grouped's five DESIGN rows (paper sizes, same seeds and inputs), one JSON line of
+"""`ours` alone on bench_m_grouped's five reference rows of docs/design.md §5 (paper sizes, same seeds and inputs), one JSON line of
 TFLOPS: the cheap timing that tune_ffma_hints.sh repeats, alternating builds across processes, to compare
 builds whose effect is near the process-to-process spread (a few %).
 
@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--block-m", type=int, default=0, help="tile height passed to the GEMM (0: its default)")
     ap.add_argument("--block-n", type=int, default=0, help="tile width passed to the GEMM (0: its default)")
     ap.add_argument("--grid-rows", default="", help="comma-separated row indices of the full grid (default: the "
-                    "five DESIGN rows, paper sizes)")
+                    "five reference rows of docs/design.md §5, paper sizes)")
     ap.add_argument("--padded-gemm", action="store_true", help="also time the GEMM alone on 128-padded groups")
     ap.add_argument("--repeat", type=int, default=1, help="timings per method and row, alternating")
     args = ap.parse_args()

@@ -6,7 +6,7 @@
 #   rul10+<mode>  both
 # Every variant's outputs are first compared with the base build's, bit for bit (scripts/gemm_bits.py). Then the
 # variants are timed in alternation, ROUNDS processes each in rotated order (benchmarks/time_m_grouped_rows.py:
-# `ours` on the five DESIGN rows), because the same build moves by a few % between processes; the summary gives
+# `ours` on the five reference rows (docs/design.md §5)), because the same build moves by a few % between processes; the summary gives
 # each variant's per-row median and its geomean against base.
 #   usage (GPU machine, repo root, wheels on PYTHONPATH): ROUNDS=4 bash benchmarks/tune_ffma_hints.sh [mode ...]
 #   (default mode: reuse-chain)

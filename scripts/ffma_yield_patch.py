@@ -26,7 +26,7 @@ Modes (--mode):
                                        [--dry-run]
 
 Measured (benchmarks/NOTES.md, M-grouped table): `yield` made the m-grouped kernel 3-5% slower (1db5c8f),
-`noyield` 3-9% slower, `reuse-chain` 3.1% faster (geomean of the five DESIGN rows, four alternating processes per
+`noyield` 3-9% slower, `reuse-chain` 3.1% faster (geomean of the five reference rows (docs/design.md §5), four alternating processes per
 build, same bits: benchmarks/tune_ffma_hints.sh at bf172b0). setup.py applies `reuse-chain` to the M-grouped
 kernels after every build (MEGATRON_TMA_FFMA_HINTS=none skips it).
 """

@@ -3,7 +3,7 @@
 // A dense FP8 GEMM D[M, N] = A[M, K] . B[N, K]^T with the M-grouped kernel's machinery (persistent grid, one TMA
 // producer thread, two math warpgroups of 64 rows each, STAGES-deep mbarrier ring, 128B-swizzled tiles, BLOCK_K
 // 128, panel rasterisation) and only the math loop varied, to separate what the tile shape costs from what the
-// per-block FP32 promotion (DESIGN.md §3) costs:
+// per-block FP32 promotion (docs/design.md §3) costs:
 //   pipe128   the production scheme: 128x128, two partial fragments, block kb+1 issued before kb is promoted
 //   serial<N> DeepGEMM's scheme: 128xN, one partial fragment, wait_group 0 after each block, then promote
 //   x3        three math warpgroups (192-row tiles, 160 registers each), serial or none only

@@ -1,6 +1,6 @@
 // M-grouped FP8 GEMM without padding: D[rows of group g] = A[rows of g] . B[g]^T, BF16 out.
 //
-// Forward (B = W [G, N, K]) and dgrad (B = W^T [G, K, N]) are the same kernel. Numerics (DESIGN.md §3):
+// Forward (B = W [G, N, K]) and dgrad (B = W^T [G, K, N]) are the same kernel. Numerics (docs/design.md §3):
 // per 128-wide K block the tensor cores form the FP8 partial sum p in a zeroed FP32 fragment (four
 // m64n{BLOCK_N}k32 wgmma), then the CUDA cores promote acc = fma(sa * sb, p, acc); BF16 RNE at the end.
 // Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
