@@ -21,7 +21,7 @@ __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gem
 # rule checked here, at a fraction of the host time, and only an input the op refuses goes through the Python
 # validation below, which raises the API's clearer TypeError / ValueError (or, if it finds nothing wrong, the
 # op is called again and its own error stands). Debug checks (device group values) always take the full path.
-# False forces the full path on every call (host-time A/B in scripts/probe_host_call.py).
+# False forces the full path on every call (host-time A/B in lab/probe_host_call.py).
 FAST_PATH = True
 
 

@@ -627,7 +627,7 @@ def _accumulate_grad_leaves(out):
 @pytest.mark.parametrize("g", [4, 16])
 def test_stacked_layout_has_one_autograd_leaf_per_linear(gen, g):
     """Why the stacked layout is the default: the engine visits one AccumulateGrad node per linear, not one per
-    expert (each costs host time every step; `scripts/probe_step_host_cpu.py` measures it)."""
+    expert (each costs host time every step; `lab/probe_step_host_cpu.py` measures it)."""
     x = torch.randn(64 * g, H, generator=gen).bfloat16().requires_grad_()
     sizes = torch.full((g,), 64, dtype=torch.int64)
     for layout, weights_per_linear in (("stacked", 1), ("per_expert", g)):
@@ -637,21 +637,6 @@ def test_stacked_layout_has_one_autograd_leaf_per_linear(gen, g):
         params = {id(p) for p in module.parameters()}
         leaves = [v for v in _accumulate_grad_leaves(out) if id(v) in params]
         assert len(leaves) == 2 * weights_per_linear == len(params)
-
-
-def test_host_probe_runs_on_the_cpu():
-    """scripts/probe_step_host_cpu.py (fake ops in its own process) runs and reports a time."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "probe_step_host_cpu.py"
-    res = subprocess.run([sys.executable, str(script), "--G", "4", "--steps", "2"], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr
-    match = re.search(r"G=4 stacked: ([0-9.]+) ms of host time per step", res.stdout)
-    assert match and float(match.group(1)) > 0, res.stdout
 
 
 def test_weight_layouts_give_the_same_gradients(one_thread, gen):

@@ -1,11 +1,11 @@
-"""scripts/ncu_sass_summary.py on a synthetic ncu SASS source page: predicates and modifiers are stripped from the
+"""lab/ncu_sass_summary.py on a synthetic ncu SASS source page: predicates and modifiers are stripped from the
 opcode, every numeric column is summed per opcode, and the shares printed are of each column's total."""
 import importlib.util
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("ncu_sass_summary", os.path.join(ROOT, "scripts", "ncu_sass_summary.py"))
+LAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("ncu_sass_summary", os.path.join(LAB, "ncu_sass_summary.py"))
 summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(summary)
 

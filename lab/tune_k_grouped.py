@@ -8,7 +8,7 @@ epilogue's bits). The operands are the quantizer's [K, P] / [N, P] columns, ever
 of 16 tokens (docs/design.md §4; P = round_up(M, 16) + 16 G, checked here). A quick look between full benchmark runs;
 writes nothing.
 
-    python benchmarks/tune_k_grouped.py [--iters 15] [--quick]
+    python lab/tune_k_grouped.py [--iters 15] [--quick]
 """
 import argparse
 import os
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
 from bench_k_grouped import roofline_ms, wgrad_pitch  # noqa: E402
 

@@ -2,8 +2,8 @@
 TFLOPS: the cheap timing that tune_ffma_hints.sh repeats, alternating builds across processes, to compare
 builds whose effect is near the process-to-process spread (a few %).
 
-    python benchmarks/time_m_grouped_rows.py [--iters 25] [--block-m 0|128|192] [--block-n 0|128|192|256]
-    python benchmarks/time_m_grouped_rows.py --grid-rows 0,6,7 --padded-gemm [--repeat 3]
+    python lab/time_m_grouped_rows.py [--iters 25] [--block-m 0|128|192] [--block-n 0|128|192|256]
+    python lab/time_m_grouped_rows.py --grid-rows 0,6,7 --padded-gemm [--repeat 3]
 
 --grid-rows times rows of the full grid instead (indices as bench_m_grouped numbers them, with their size
 distribution and seed); --padded-gemm also times the GEMM alone on the same rows padded to 128 per group, the
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
 from bench_m_grouped import DISTS, MORE, TABLE, make_inputs, row_seed  # noqa: E402
 

@@ -4,7 +4,7 @@ distributions. The paper's grid (bench_m_grouped) has K >= 3072 only; the layer 
 where a tile's fixed costs weigh more. This is the evidence for the default tile
 (csrc/include/megatron_tma/scheduler/m_grouped_tile_choice.h) on those shapes.
 
-    python benchmarks/time_layer_gemm_tiles.py [--models qwen3_30b_a3b,deepseek_v3] [--tokens 8192,32768]
+    python lab/time_layer_gemm_tiles.py [--models qwen3_30b_a3b,deepseek_v3] [--tokens 8192,32768]
                                                [--dists paper] [--iters 20] [--out FILE.json]
 
 Methods, timed interleaved in one process (docs/design.md §5 protocol): `default` (the tile the launcher picks, named in
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
 from bench_m_grouped import make_inputs  # noqa: E402
 from bench_mlp_layer import MODELS  # noqa: E402

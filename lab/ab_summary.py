@@ -2,7 +2,7 @@
 tune_ffma_hints.sh or tune_env_ab.sh. Prints each variant's per-row median over its processes and its geomean
 against the baseline variant, and the baseline's process-to-process spread per row.
 
-    python benchmarks/ab_summary.py TIMES.jsonl BASELINE
+    python lab/ab_summary.py TIMES.jsonl BASELINE
 """
 import json
 import math

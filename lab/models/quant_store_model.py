@@ -4,7 +4,7 @@ nothing outside [0, M), for runs of 1-8 blocks over hundreds of group layouts. T
 128-byte line scheme (store_token_lines: parked line heads), lane by lane: lane j of a row owns chunk j of
 line A (completed with the parked bytes) and of line B (parked for the next block of the run).
 
-    python scripts/models/quant_store_model.py
+    python lab/models/quant_store_model.py
 """
 import random
 def window(tile, k, sh):   # tile bytes [16k + sh - 16, 16k + sh) i.e. bytes [sh,sh+16) of chunk(k-1)|chunk(k)

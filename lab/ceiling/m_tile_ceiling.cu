@@ -19,7 +19,7 @@
 // The numbers are only timing: all scales are 1 (bits are compared only where two variants must agree), and the
 // variants are timed interleaved in one process. Not part of the package; results in benchmarks/NOTES.md.
 //   build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
-//          -I csrc/include -I <cutlass>/include benchmarks/ceiling/m_tile_ceiling.cu -o /tmp/m_tile_ceiling
+//          -I csrc/include -I <cutlass>/include lab/ceiling/m_tile_ceiling.cu -o /tmp/m_tile_ceiling
 //   run:   /tmp/m_tile_ceiling [M N K [--only <variant>]]   (default 16384 4096 4096; --only: one variant, twice)
 #include <cuda_bf16.h>
 #include <algorithm>

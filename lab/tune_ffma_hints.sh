@@ -4,11 +4,11 @@
 #   <mode>        base with scripts/ffma_yield_patch.py --mode <mode> applied to the M-grouped kernels
 #   rul10         rebuilt with -Xptxas=--register-usage-level=10 (DeepGEMM builds with it)
 #   rul10+<mode>  both
-# Every variant's outputs are first compared with the base build's, bit for bit (scripts/gemm_bits.py). Then the
-# variants are timed in alternation, ROUNDS processes each in rotated order (benchmarks/time_m_grouped_rows.py:
+# Every variant's outputs are first compared with the base build's, bit for bit (lab/gemm_bits.py). Then the
+# variants are timed in alternation, ROUNDS processes each in rotated order (lab/time_m_grouped_rows.py:
 # `ours` on the five reference rows (docs/design.md §5)), because the same build moves by a few % between processes; the summary gives
 # each variant's per-row median and its geomean against base.
-#   usage (GPU machine, repo root, wheels on PYTHONPATH): ROUNDS=4 bash benchmarks/tune_ffma_hints.sh [mode ...]
+#   usage (GPU machine, repo root, wheels on PYTHONPATH): ROUNDS=4 bash lab/tune_ffma_hints.sh [mode ...]
 #   (default mode: reuse-chain)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -35,12 +35,12 @@ for m in "${modes[@]}"; do
   done
 done
 cp /tmp/variants/base.so "$so"
-python3 scripts/gemm_bits.py save "$D/bits.pt"
+python3 lab/gemm_bits.py save "$D/bits.pt"
 for v in "${variants[@]}"; do
   cp "/tmp/variants/$v.so" "$so"
-  python3 scripts/gemm_bits.py compare "$D/bits.pt" 2>&1 | tail -1 | sed "s/^/bits $v: /"
+  python3 lab/gemm_bits.py compare "$D/bits.pt" 2>&1 | tail -1 | sed "s/^/bits $v: /"
 done
-source benchmarks/ab_rounds.sh
+source lab/ab_rounds.sh
 time_rotated /tmp/variants "$so" "${ROUNDS:-4}" "${variants[@]}"
 cp /tmp/variants/base.so "$so"
-python3 benchmarks/ab_summary.py "$D/times.jsonl" base
+python3 lab/ab_summary.py "$D/times.jsonl" base

@@ -2,8 +2,8 @@
 by another: the check that a post-build change to the extension (a SASS hint patch, another ptxas flag) left the
 numerics alone. The GPU tests cannot tell: their oracle, the padded path, runs the same patched kernel.
 
-    python scripts/gemm_bits.py save /tmp/bits.pt        # with the reference build
-    python scripts/gemm_bits.py compare /tmp/bits.pt     # with the changed build: exit 1 on any differing bit
+    python lab/gemm_bits.py save /tmp/bits.pt        # with the reference build
+    python lab/gemm_bits.py compare /tmp/bits.pt     # with the changed build: exit 1 on any differing bit
 """
 import argparse
 import os

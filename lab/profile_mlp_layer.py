@@ -8,7 +8,7 @@ It also times the three steps round-robin, as the benchmark does, next to their 
 caching allocator's cudaMalloc / cudaFree calls per step in both settings: a step that has to grow the pool
 (or empty it, which synchronises) spends host time the GPU waits for.
 
-    python scripts/profile_mlp_layer.py [--config mixtral:8:32768] [--steps 3] [--json FILE]
+    python lab/profile_mlp_layer.py [--config mixtral:8:32768] [--steps 3] [--json FILE]
 
 --config model:G:M (models of bench_mlp_layer.py; repeat the flag for several). Kernel names are shortened to
 their function name; time is the sum over the profiled steps divided by the step count. Wall and host times of a

@@ -11,8 +11,8 @@ activation's FP8 columns (`keep`) and the one that recomputes them in backward (
   backward, so this one can grow while the held memory shrinks);
 * `bitexact`: every output and gradient equal between the two.
 
-    python benchmarks/recompute_activation.py [--iters 25] [--out FILE.json]   # writes FILE.png beside it
-    python benchmarks/recompute_activation.py --plot FILE.json                    # redraw the PNG (no GPU)
+    python lab/recompute_activation.py [--iters 25] [--out FILE.json]   # writes FILE.png beside it
+    python lab/recompute_activation.py --plot FILE.json                    # redraw the PNG (no GPU)
 """
 import argparse
 import datetime
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_mlp_layer as bml  # noqa: E402
 import common  # noqa: E402
 
@@ -131,7 +131,7 @@ def main():
             json.dump({"benchmark": "recompute_activation", "commit": common.git_commit(),
                        "gpu": torch.cuda.get_device_name(),
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "command": "python benchmarks/recompute_activation.py", "rows": rows, "summary": summary},
+                       "command": "python lab/recompute_activation.py", "rows": rows, "summary": summary},
                       f, indent=1)
         with open(args.out) as f:
             plot(json.load(f), args.out[:-len(".json")] + ".png")

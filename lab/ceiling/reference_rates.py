@@ -1,12 +1,12 @@
 """The two references for m_tile_ceiling.cu, on the same shape and protocol: dense cuBLAS FP8 (torch._scaled_mm,
 tensorwise scales) and the package's M-grouped kernel with one group (the production kernel on a dense problem).
-    python3 benchmarks/ceiling/reference_rates.py [M N K]      (GPU machine, extension built in place)"""
+    python3 lab/ceiling/reference_rates.py [M N K]      (GPU machine, extension built in place)"""
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import common  # noqa: E402
 from megatron_tma import gemm, quant  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Sum an ncu source page (SASS, CSV) per opcode: where a kernel's warp-stall samples and issued instructions go.
 
     ncu -i REPORT.ncu-rep --page source --csv --print-source sass > sass.csv
-    python scripts/ncu_sass_summary.py sass.csv [--top 25]
+    python lab/ncu_sass_summary.py sass.csv [--top 25]
 
 Every numeric column is summed per opcode (the mnemonic without modifiers or predicate); the table shows the
 columns with the largest totals, as a share of each column's total, opcodes ordered by the first column shown.

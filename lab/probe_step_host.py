@@ -1,11 +1,11 @@
 """Host time of every package call inside one expert-MLP training step (ours), in call order.
 
 torch.profiler puts 2.5 ms of host self time per step in `megatron_tma::quantize_128x128` (Qwen3-like G=128,
-`scripts/profile_mlp_layer.py`), where the call alone costs 15-60 us. This wraps each quantizer / GEMM /
+`lab/profile_mlp_layer.py`), where the call alone costs 15-60 us. This wraps each quantizer / GEMM /
 activation entry point with a wall-clock timer, runs a few steps of the layer benchmark's step, and prints for the
 last step: each call's host ms, whether the GPU stream was idle when it started, and the step's total host time.
 
-    python scripts/probe_step_host.py [--config qwen3_30b_a3b:128:32768] [--steps 4]
+    python lab/probe_step_host.py [--config qwen3_30b_a3b:128:32768] [--steps 4]
 """
 import argparse
 import functools

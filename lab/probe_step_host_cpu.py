@@ -2,9 +2,9 @@
 extension is replaced by a CPU fake that only allocates its outputs (the ops' own fake implementations), so what is
 timed is the package's Python (argument checks, weight cache, autograd Functions, module code) plus torch's
 autograd engine, not kernel launches. It answers "how much host time does a step spend outside the ops" without
-device time; on the GPU, `scripts/probe_step_host.py` and `scripts/profile_mlp_layer.py` time the real thing.
+device time; on the GPU, `lab/probe_step_host.py` and `lab/profile_mlp_layer.py` time the real thing.
 
-    python scripts/probe_step_host_cpu.py [--G 32] [--layout stacked|per_expert] [--steps 50] [--profile]
+    python lab/probe_step_host_cpu.py [--G 32] [--layout stacked|per_expert] [--steps 50] [--profile]
 
 Shapes are Qwen3-like (H=2048, F=768) with M=2048 tokens (the fakes do not touch the data, so sizes matter only
 through allocation). --profile prints cProfile's top entries by own time.

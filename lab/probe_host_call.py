@@ -6,7 +6,7 @@ bottleneck), each way of calling:
   wrapper_full  the same with gemm.FAST_PATH = False (every Python check, then the op)
   op            torch.ops.megatron_tma.<op> alone (C++ checks, TMA descriptors, launch)
 Usage (GPU machine):
-    python3 scripts/probe_host_call.py [--calls 1000] [--out DIR]
+    python3 lab/probe_host_call.py [--calls 1000] [--out DIR]
 """
 import argparse
 import json

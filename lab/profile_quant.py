@@ -2,9 +2,9 @@
 transposed copy) and the fused 1x128 rows + per-group columns quantizer of activations. Prints each call's time and
 bytes per second (CUDA events, L2 flushed); with --profile it only runs each kernel three times, for a profiler:
 
-    python scripts/profile_quant.py [--weights 32,4096,7168] [--act 32768,7168,8]
+    python lab/profile_quant.py [--weights 32,4096,7168] [--act 32768,7168,8]
     ncu --clock-control none --set full -k regex:quantize_128x128_kernel --launch-skip 1 --launch-count 1 \\
-        python scripts/profile_quant.py --profile     # (regex:quantize_grouped for the fused kernel)
+        python lab/profile_quant.py --profile     # (regex:quantize_grouped for the fused kernel)
 
 --weights G,N,K (DeepSeek-V3-like fc1 of 32 local experts by default); --act M,K,G (paper sizes, seed 0).
 """

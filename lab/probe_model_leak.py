@@ -3,7 +3,7 @@ in-process, cause not found"). Runs the recipe's build() and a few training step
 reference, and if the DDP model (or its GPTModel) survives gc, prints the chains of objects that still refer to it,
 up to a module global or a root that gc does not track.
 
-    torchrun --nproc-per-node 1 scripts/probe_model_leak.py [--mode unpadded] [--steps 2] [recipe options]
+    torchrun --nproc-per-node 1 lab/probe_model_leak.py [--mode unpadded] [--steps 2] [recipe options]
 """
 import gc
 import importlib.util

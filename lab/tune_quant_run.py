@@ -6,7 +6,7 @@ times each length on a few shapes, for two kinds of input: plain Gaussian rows, 
 with per-row magnitudes 2^-8..2^8 (bench_quant.py); qt is [K, P], P = round_up(M, 16) + 16 G. Same timing protocol as the benchmarks (CUDA events, L2 flushed,
 median). Prints TB/s of bytes read + written (the whole qt written); writes nothing.
 
-    python benchmarks/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
+    python lab/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
 """
 import argparse
 import os
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
 from bench_quant import _rows_with_spread  # noqa: E402
 
