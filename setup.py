@@ -59,8 +59,8 @@ def want_cuda():
 def apply_ffma_hints(so_path):
     """Rewrite the scheduling hints of the 128-wide M-grouped kernel's promotion FFMAs in the built extension
     (scripts/ffma_yield_patch.py, mode reuse-chain: the FP32 scale stays in the operand-reuse cache across each run
-    of FFMAs). Measured +3.1% geomean on the five DESIGN rows, same bits (benchmarks/NOTES.md, M-grouped table;
-    benchmarks/tune_ffma_hints.sh). Control bits only, never an instruction. MEGATRON_TMA_FFMA_HINTS=none skips it;
+    of FFMAs). Measured +3.1% geomean on the five reference rows (docs/design.md §5), same bits (benchmarks/NOTES.md, M-grouped table;
+    lab/tune_ffma_hints.sh). Control bits only, never an instruction. MEGATRON_TMA_FFMA_HINTS=none skips it;
     a build whose SASS has no such runs (another compiler, a compressed fatbin) is left as it is, with a note."""
     mode = os.environ.get("MEGATRON_TMA_FFMA_HINTS", "reuse-chain")
     if mode == "none":
@@ -98,7 +98,7 @@ if build_cuda:
         "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
         "-DNDEBUG", "-Xptxas=-v" if os.environ.get("MEGATRON_TMA_PTXAS_V") else "-Xptxas=-O3",
     ]
-    # experiments only (benchmarks/tune_ffma_hints.sh): extra nvcc flags, e.g. "-Xptxas=--register-usage-level=10"
+    # experiments only (lab/tune_ffma_hints.sh): extra nvcc flags, e.g. "-Xptxas=--register-usage-level=10"
     nvcc_flags += shlex.split(os.environ.get("MEGATRON_TMA_NVCC_EXTRA", ""))
     ext_modules.append(
         CUDAExtension(

@@ -31,8 +31,8 @@ for src in csrc/instantiations/*.cu; do
     echo "ok    $src"
   fi
 done
-# the standalone studies under benchmarks/ceiling/ (not built by setup.py): they must keep compiling too
-for src in benchmarks/ceiling/*.cu; do
+# the standalone studies under lab/ceiling/ (not built by setup.py): they must keep compiling too
+for src in lab/ceiling/*.cu; do
   [ -e "$src" ] || continue
   name=$(basename "$src" .cu)
   if "$NVCC" -c -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc/include \

@@ -1,5 +1,5 @@
 """K-grouped (weight-gradient) FP8 GEMM benchmark: dW [G, N, K] from M tokens, for each forward configuration of
-the m-grouped benchmark, reported like for like (DESIGN.md §5). Every configuration gives two rows, told apart by
+the m-grouped benchmark, reported like for like (docs/design.md §5). Every configuration gives two rows, told apart by
 the field "out":
 
   "out": "bf16"      ours writing a BF16 [G, N, K] (out_dtype=torch.bfloat16, no accumulation), against the BF16
@@ -13,7 +13,7 @@ the field "out":
                      `bf16_fp32_acc`: what a BF16 user does for main_grad, the BF16 torch._grouped_mm and then
                      main_grad.add_ of its result (the product is rounded to BF16 before the add: not the same
                      numbers, a time to compare). These rows carry no `bf16` or `torch_rowwise` field
-                     (../shared/bin/check-targets reads those on BF16 rows only).
+                     (target checks read those on BF16 rows only).
 
 Both kinds also time, on the same operands:
   padded_path   our FP8 operand columns gathered into 128-aligned groups (one index_select per operand, the
@@ -351,7 +351,7 @@ def print_table(rows):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the five DESIGN rows, paper distribution only")
+    ap.add_argument("--quick", action="store_true", help="the five reference rows (docs/design.md §5), paper distribution only")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()

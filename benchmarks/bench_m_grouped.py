@@ -1,4 +1,4 @@
-"""M-grouped FP8 GEMM benchmark (DESIGN.md §5): ours vs the padded path, the padded GEMM alone,
+"""M-grouped FP8 GEMM benchmark (docs/design.md §5): ours vs the padded path, the padded GEMM alone,
 torch._scaled_grouped_mm (row-wise), BF16 torch._grouped_mm and one dense cuBLAS FP8 GEMM of equal FLOPs,
 all in one process on the same inputs. Writes benchmarks/results/m_grouped-<stamp>.json and a PNG.
 
@@ -20,7 +20,7 @@ from megatron_tma.gemm import m_grouped_fp8_gemm, m_grouped_tile  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.padding import pad_rows_fp8, padded_m_grouped_fp8_gemm  # noqa: E402
 
-# (G, M, N, K): DESIGN.md §5's five rows first, then more of the paper's grid.
+# (G, M, N, K): docs/design.md §5's five rows first, then more of the paper's grid.
 TABLE = [(8, 16384, 4096, 4096), (16, 32768, 7168, 4096), (32, 16384, 3072, 8192), (8, 65536, 6144, 5120),
          (32, 8192, 4096, 7168)]
 MORE = [(4, 8192, 3072, 3072), (4, 32768, 8192, 8192), (16, 16384, 5120, 6144), (32, 65536, 4096, 7168),
@@ -132,7 +132,7 @@ def geomean(xs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the five DESIGN rows, paper distribution only")
+    ap.add_argument("--quick", action="store_true", help="the five reference rows (docs/design.md §5), paper distribution only")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()

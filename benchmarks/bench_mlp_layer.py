@@ -1,4 +1,4 @@
-"""Expert-MLP layer benchmark (issue 5; protocol of DESIGN.md §5): one training step of fc1 -> SwiGLU * probs -> fc2,
+"""Expert-MLP layer benchmark (issue 5; protocol of docs/design.md §5): one training step of fc1 -> SwiGLU * probs -> fc2,
 forward + backward (gradients for x, probs and every expert weight), time and peak memory, in one process on the
 same inputs:
 

@@ -1,11 +1,11 @@
-"""FP8 quantizer benchmark (DESIGN.md §5 protocol): bandwidth of the three CUDA quantizers against the
+"""FP8 quantizer benchmark (docs/design.md §5 protocol): bandwidth of the three CUDA quantizers against the
 device-to-device copy measured in the same run, every result checked bit for bit against
 megatron_tma.reference on the same input. Writes benchmarks/results/quant-<stamp>.json and a PNG.
 
     python benchmarks/bench_quant.py [--quick] [--iters N] [--out DIR]
 
 tbps = (bytes read + bytes written, padding and scales included) / median time; copy_ratio = tbps / copy_tbps.
-The column quantizers write the whole wgrad operand qt [K, P], P = round_up(M, 16) + 16 G (DESIGN.md §4: every
+The column quantizers write the whole wgrad operand qt [K, P], P = round_up(M, 16) + 16 G (docs/design.md §4: every
 group starts at a multiple of 16 tokens, the columns between groups and the tail are written as zeros).
 """
 import argparse
@@ -49,7 +49,7 @@ CONFIGS = [
     ("quantize_1x128_and_grouped_128x1", (32768, 4096), {"G": 8, "dist": "skewed"}),
 ]
 QUICK = CONFIGS[:3]
-# The result rows name each kernel by its role too, so that readers (and ../shared/bin/check-targets) can
+# The result rows name each kernel by its role too, so that readers (and target checks) can
 # tell the wgrad column quantizer from the 1x128 row quantizer; "op" keeps the Python function name.
 KERNEL_LABEL = {"quantize_grouped_128x1": "quantize_grouped_128x1 (wgrad columns)",
                 "quantize_1x128_and_grouped_128x1": "quantize_1x128_and_grouped_128x1 (fused rows + wgrad columns)"}

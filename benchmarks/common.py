@@ -1,4 +1,4 @@
-"""Measurement protocol shared by every benchmark (DESIGN.md §5).
+"""Measurement protocol shared by every benchmark (docs/design.md §5).
 
 CUDA events around each call, an L2 flush (a >= 256 MB write) before each timed call, warm-up first, the
 median of >= 20 timings. Ceilings (device-to-device copy bandwidth, dense FP8 GEMM rate) are measured in the
@@ -89,7 +89,7 @@ def bench_blocks(fns: dict, iters: int = 25, warmup: int = 3, rounds: int = 5) -
     an L2 flush). So every timed call follows a call of the same method, as a training step follows the
     previous step of the same layer, while clock drift over the run still falls on every method alike.
     Why not one call per method per round: on the H200 a long FP8 layer step timed right after the BF16
-    step runs ~10% slower and the BF16 step ~5% faster than after their own kind (scripts/profile_mlp_layer.py,
+    step runs ~10% slower and the BF16 step ~5% faster than after their own kind (lab/profile_mlp_layer.py,
     Mixtral-sized layer: ours 53.0 ms after itself or after the padded twin, 59.1 after the BF16 step), so
     alternating methods measures the neighbour as much as the method. A callable that raises is reported as
     the exception's text instead of a time."""
@@ -165,7 +165,7 @@ def git_commit() -> str:
 
 
 def write_result(benchmark: str, rows, ceilings: dict, command: str, extra: dict = None, out_dir: str = None) -> str:
-    """Write the DESIGN §5 JSON; returns its path under benchmarks/results (and copies it to out_dir)."""
+    """Write the docs/design.md §5 JSON; returns its path under benchmarks/results (and copies it to out_dir)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     doc = {
         "benchmark": benchmark,

@@ -15,6 +15,6 @@ if [ "${NCU:-1}" = 1 ]; then
   timeout 150 ncu --set full --import-source no -k regex:k_grouped --launch-skip 3 --launch-count 1 -o "$OUT/kg" \
     python3 lab/kgrouped_probe.py --no-check --time --iters 1 --shapes ${NCU_SHAPE:-8:32768:4096:7168} > "$OUT/ncu.log" 2>&1
   ncu -i "$OUT/kg.ncu-rep" --page source --csv --print-source sass > "$OUT/kg_sass.csv" 2>/dev/null
-  python3 scripts/ncu_sass_summary.py "$OUT/kg_sass.csv" --top 22 2>&1 | head -40
+  python3 lab/ncu_sass_summary.py "$OUT/kg_sass.csv" --top 22 2>&1 | head -40
   ncu -i "$OUT/kg.ncu-rep" --page details --csv 2>/dev/null | grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|L2 Cache Throughput|Issue Slots Busy|Executed Ipc A|No Eligible|Registers Per" | cut -c1-200 | head -14
 fi

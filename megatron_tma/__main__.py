@@ -3,7 +3,7 @@
 Prints the package, torch and GPU facts and whether the CUDA kernels run on each visible GPU. The case it exists
 for is the silent one: on a GPU, `backend="auto"` falls back to the torch reference when the extension was not built
 (e.g. built before the CuTe/CUTLASS headers were installed), which gives the right numbers ~10x slower.
-`--check` also runs each GEMM once on the first GPU against the float64 reference (DESIGN.md's diff).
+`--check` also runs each GEMM once on the first GPU against the float64 reference (the diff of docs/design.md §3).
 
 Exit status: 0 when the kernels run on every visible GPU, or when there is no GPU (the reference backend is then
 the one there is); 1 when a GPU is visible and the kernels cannot run on it; 2 when `--check` finds a wrong result.
@@ -16,7 +16,7 @@ import torch
 
 from . import __version__, _ext
 
-CHECK_TOLERANCE = 1e-3  # DESIGN.md §3's accuracy bound against the float64 reference of the dequantized operands
+CHECK_TOLERANCE = 1e-3  # docs/design.md §3's accuracy bound against the float64 reference of the dequantized operands
 
 
 def _gpus():

@@ -3,7 +3,7 @@
 Forward quantizes X (1x128) and runs the M-grouped GEMM against the 128x128-quantized weights; it saves for
 backward the column-quantized X (per-group 128x1 token blocks, FP8, as wgrad reads it) instead of the BF16 X.
 Backward quantizes dY once (one pass) as 1x128 rows for dgrad (`dX = dY . W`, the M-grouped GEMM on the W^T copy) and as
-per-group 128x1 columns for wgrad (`dW_g = dY_g^T . X_g`, the K-grouped GEMM). DESIGN.md §3 fixes every rounding,
+per-group 128x1 columns for wgrad (`dW_g = dY_g^T . X_g`, the K-grouped GEMM). docs/design.md §3 fixes every rounding,
 so the padded layout gives the same bits (tests/test_autograd.py, tests/test_mlp_gpu.py).
 
 Weights are one stacked `[G, N, K]` tensor or G `[N, K]` tensors (Transformer Engine's `GroupedLinear` layout,
@@ -423,7 +423,7 @@ def fp8_grouped_linear(
     backend: str = "auto",
     pow2_scales: bool = False,
 ) -> torch.Tensor:
-    """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (DESIGN.md §3), with gradients for x and the weights.
+    """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (docs/design.md §3), with gradients for x and the weights.
 
     x: bf16 `[M, K]`, contiguous. weight: bf16 `[G, N, K]`, or a sequence of G bf16 `[N, K]` tensors.
     groups: int32/int64 sizes `[G]` or offsets `[G+1]` on x's device (never read on the host by the CUDA backend;

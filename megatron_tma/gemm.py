@@ -1,4 +1,4 @@
-"""FP8 grouped GEMMs without padding (DESIGN.md §2-§4).
+"""FP8 grouped GEMMs without padding (docs/design.md §2-§4).
 
 `m_grouped_fp8_gemm` runs forward (`b` = W `[G, N, K]`) and dgrad (`b` = the W^T copy `[G, K, N]`) with the
 same call: rows of `a` are split into G groups of any size (0 included) by a device tensor of sizes or
@@ -21,7 +21,7 @@ __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gem
 # rule checked here, at a fraction of the host time, and only an input the op refuses goes through the Python
 # validation below, which raises the API's clearer TypeError / ValueError (or, if it finds nothing wrong, the
 # op is called again and its own error stands). Debug checks (device group values) always take the full path.
-# False forces the full path on every call (host-time A/B in scripts/probe_host_call.py).
+# False forces the full path on every call (host-time A/B in lab/probe_host_call.py).
 FAST_PATH = True
 
 
@@ -161,7 +161,7 @@ if _ext.has_extension():
 
 
 def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups):
-    """The wgrad rules of DESIGN §4 (metadata only, plus the groups' values where they are on the host or debug
+    """The wgrad rules of docs/design.md §4 (metadata only, plus the groups' values where they are on the host or debug
     checks are on); returns (groups, device, N, K, G)."""
     for t, name in ((dy_t, "dy_t"), (x_t, "x_t")):
         check_tensor(t, name, (FP8,), dim=2, contiguous=False)

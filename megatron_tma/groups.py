@@ -201,7 +201,7 @@ def token_block_offsets(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
     return sizes_to_offsets(token_block_counts(sizes, block))
 
 
-# The wgrad operands' 16-aligned token columns (DESIGN §4, docs/layouts.md): group g's tokens sit at columns
+# The wgrad operands' 16-aligned token columns (docs/design.md §4, docs/layouts.md): group g's tokens sit at columns
 # [a_g, a_g + M_g) of qt [K, P], a_g = sum_{h<g} round_up(M_h, 16); P is allocated at its upper bound.
 WGRAD_ALIGN = 16
 
@@ -330,7 +330,7 @@ def _paper_sizes(m_total: int, G: int, gen: torch.Generator) -> torch.Tensor:
     return sizes
 
 
-# Shape rules of the GEMMs (DESIGN §4), worded once. The reference accepts any K; the kernels do not.
+# Shape rules of the GEMMs (docs/design.md §4), worded once. The reference accepts any K; the kernels do not.
 def _check_multiple(op: str, what: str, value: int, multiple: int, why: str) -> None:
     if value % multiple != 0:
         raise ValueError(f"{op}: {what} must be a multiple of {multiple} ({why}), got {what}={value}")

@@ -35,7 +35,7 @@ checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Bo
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
-DESIGN.md §3, and the twin is the baseline and the bit-exactness oracle of the unpadded module. On the CUDA
+docs/design.md §3, and the twin is the baseline and the bit-exactness oracle of the unpadded module. On the CUDA
 kernels the padded buffers have `padding.padded_row_count_upper_bound` rows (no host read); the rows past the
 real padded total belong to no expert and are never read. With the reference backend, which reads the sizes on the
 host anyway, they have exactly the padded total.
@@ -129,8 +129,8 @@ class _GroupedWeights(nn.Module):
             for w in self.expert_weights():
                 (init_method or _default_init)(w)
 
-    # Checkpoints: both layouts save and load Transformer Engine's keys, `weight{i}` `[N, K]` per expert (DESIGN.md
-    # §6: checkpoints stay interchangeable), so a stacked module saves its parameter as G slices and loads G tensors
+    # Checkpoints: both layouts save and load Transformer Engine's keys, `weight{i}` `[N, K]` per expert (checkpoints
+    # stay interchangeable with Megatron's own experts), so a stacked module saves its parameter as G slices and loads G tensors
     # into it. Both layouts load alike: missing, unexpected, mis-shaped and non-tensor entries are reported in
     # nn.Module's words, and a linear loads all or nothing (one missing or bad expert entry leaves every expert of
     # that linear as it was, even with strict=False: no half-loaded linear). assign=True makes the checkpoint's

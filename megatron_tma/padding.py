@@ -1,10 +1,10 @@
-"""The padded path: the baseline that the unpadded GEMM replaces (DESIGN.md §5).
+"""The padded path: the baseline that the unpadded GEMM replaces (docs/design.md §5).
 
 Pad each group of FP8 rows (and their 1x128 scales) to a multiple of `align` rows, run an M-grouped GEMM on
 the padded layout, drop the padding rows of the output. Group g of the padded layout owns rows
 ``[P_g, P_g + round_up(M_g, align))`` with ``P_g = sum_{h<g} round_up(M_h, align)`` (an empty group owns
 none); its first M_g rows are the group's rows, the rest are zero data with scale 1.0. Zero rows contribute
-exact zeros to a GEMM, so the valid output rows equal the unpadded GEMM's bit for bit (DESIGN.md §3).
+exact zeros to a GEMM, so the valid output rows equal the unpadded GEMM's bit for bit (docs/design.md §3).
 
 The padded total depends on the device group sizes, so nothing here reads it on the host: the padded
 buffers have `padded_row_count_upper_bound(M, G, align)` rows, the rows from the real padded total to that

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) block quantizers: the numerics of DESIGN.md §3 in the byte layouts of docs/layouts.md.
+"""FP8 (e4m3) block quantizers: the numerics of docs/design.md §3 in the byte layouts of docs/layouts.md.
 
 * ``quantize_1x128``: activations / output gradients for the M-grouped GEMMs, one scale per row per
   128 columns; ``s`` is an M-contiguous ``[M, ceil(K/128)]`` view.

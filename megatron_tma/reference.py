@@ -1,4 +1,4 @@
-"""The numerics contract (DESIGN.md §3) and the byte layouts (docs/layouts.md) in plain torch.
+"""The numerics contract (docs/design.md §3) and the byte layouts (docs/layouts.md) in plain torch.
 
 This is the oracle: every quantizer kernel must match it bit for bit, and the GEMM kernels must match
 its padded==unpadded property bit for bit and its float64 twins within ``diff < 1e-3``. It runs on any
@@ -28,14 +28,14 @@ finite, which is what the kernels' unsigned-integer max over the bits of |x| giv
 * ``a = NaN`` (any NaN in the block, with or without Inf): ``s = NaN``, every q of the block is NaN.
 * Other blocks are unaffected. In the GEMMs NaN and Inf then follow IEEE FP32 arithmetic.
 
-GEMM accumulation (DESIGN §3): for each output element and each 128-wide K block in ascending order,
+GEMM accumulation (docs/design.md §3): for each output element and each 128-wide K block in ascending order,
 ``p`` = the block's dot product of the FP8 values rounded once to FP32, then
 ``acc = fma(sa * sb, p, acc)`` with ``sa * sb`` an FP32 product and ``acc`` starting at 0. The block
 dot product is computed exactly in float64: FP8 e4m3 values are multiples of 2^-9 below 2^9, so the
 products are multiples of 2^-18 below 2^18 and any partial sum of 128 of them needs < 43 bits. Hence
 the result does not depend on summation order or on which other rows are in the matmul, and every row
 is computed independently (padding a group never changes another row). The tensor cores do not round
-like this (their FP8 accumulator is narrower), so kernels are compared to this oracle by the DESIGN
+like this (their FP8 accumulator is narrower), so kernels are compared to this oracle by the docs/design.md
 ``diff`` and by their own padded==unpadded bit equality, not bit for bit.
 """
 from typing import List, Optional, Tuple
@@ -293,7 +293,7 @@ def m_grouped_fp8_gemm(
     groups: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Y[rows of g] = A_g . B_g^T with the DESIGN §3 accumulation; returns [M, N] in out_dtype.
+    """Y[rows of g] = A_g . B_g^T with the docs/design.md §3 accumulation; returns [M, N] in out_dtype.
 
     a [M, K] e4m3 with 1x128 scales a_s [M, ceil(K/128)] (any strides); b [G, N, K] e4m3 with
     128x128 scales b_s [G, ceil(N/128), ceil(K/128)]. Forward passes W and its scales; dgrad passes
@@ -343,7 +343,7 @@ def k_grouped_fp8_gemm(
     *,
     num_groups: Optional[int] = None,
 ) -> torch.Tensor:
-    """dW_g = dY_g^T . X_g, tokens contracted, with the DESIGN §3 accumulation; returns [G, N, K].
+    """dW_g = dY_g^T . X_g, tokens contracted, with the docs/design.md §3 accumulation; returns [G, N, K].
 
     dy_t [N, P] and x_t [K, P] e4m3 (token-contiguous, any row pitch) in the 16-aligned layout of
     quantize_grouped_128x1: group g contracts over columns [a_g, a_g + M_g), a_g = sum_{h<g}
@@ -433,7 +433,7 @@ def k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, *, num_groups: Optional[int] =
 
 
 def diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DESIGN §3 similarity: 1 - 2<x,y> / (<x,x> + <y,y>) in float64. 0 when equal, NaN if either
+    """docs/design.md §3 similarity: 1 - 2<x,y> / (<x,x> + <y,y>) in float64. 0 when equal, NaN if either
     holds NaN or both are all zero (a comparison against a tolerance then fails, as it must)."""
     if x.shape != y.shape:
         raise ValueError(f"diff: shapes differ, {tuple(x.shape)} vs {tuple(y.shape)}")

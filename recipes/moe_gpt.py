@@ -29,7 +29,7 @@ sees the same batches; the loss can fall from ln(vocab) to the data's entropy (r
 
 Checks (the exit status is 1 if one fails): every mode starts from the same weights (dense layers and experts, under
 megatron_tma's state-dict keys); megatron_tma's experts, given the weights of Megatron's own, compute their function
-on the same routed tokens (DESIGN.md's diff: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
+on the same routed tokens (the diff of docs/design.md §3: BF16 < 1e-4, FP8 < 3e-3); every padded mode's per-step losses and grad
 norms equal the unpadded mode's bit for bit, and so do all parameters after the last step (`torch.equal`, every rank
 its own); an evaluation after the last step (Megatron's: forward only, no per-iteration reset) gives the same loss
 again once the FP8 weight copies are forcibly re-made, i.e. it ran on the stepped weights (with `--nondeterministic`
@@ -286,7 +286,7 @@ def redraw_megatron_experts(gpts, config, seed):
 
 def experts_against_megatron(gpt, seed):
     """megatron_tma's experts (BF16 and unpadded FP8) given the weights of the first layer's Megatron experts
-    (SequentialMLP), on the same routed tokens: DESIGN.md's diff of each output against Megatron's, in float64.
+    (SequentialMLP), on the same routed tokens: the diff of docs/design.md §3 of each output against Megatron's, in float64.
     BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise."""
     seq = gpt.decoder.layers[0].mlp.experts
     state = {from_sequential_mlp_key(k): v for k, v in seq.state_dict().items() if from_sequential_mlp_key(k)}

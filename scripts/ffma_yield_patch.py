@@ -1,4 +1,5 @@
-"""Experiment: rewrite the scheduling control bits of the promotion FFMAs in the built extension.
+"""Build step (setup.py runs it after every CUDA build): rewrite the scheduling control bits of the promotion FFMAs
+in the built extension. Its other modes are the experiments that chose `reuse-chain` (lab/tune_ffma_hints.sh).
 
 DeepGEMM reports (README, "FFMA SASS interleaving") that letting the warp yield on the promotion FFMAs, which
 also means giving up their operand-reuse flag, overlaps them better with the tensor cores (+10% on some
@@ -26,8 +27,8 @@ Modes (--mode):
                                        [--dry-run]
 
 Measured (benchmarks/NOTES.md, M-grouped table): `yield` made the m-grouped kernel 3-5% slower (1db5c8f),
-`noyield` 3-9% slower, `reuse-chain` 3.1% faster (geomean of the five DESIGN rows, four alternating processes per
-build, same bits: benchmarks/tune_ffma_hints.sh at bf172b0). setup.py applies `reuse-chain` to the M-grouped
+`noyield` 3-9% slower, `reuse-chain` 3.1% faster (geomean of the five reference rows of docs/design.md §5, four alternating processes
+per build, same bits: lab/tune_ffma_hints.sh at bf172b0). setup.py applies `reuse-chain` to the M-grouped
 kernels after every build (MEGATRON_TMA_FFMA_HINTS=none skips it).
 """
 import argparse

@@ -120,7 +120,7 @@ def test_m_grouped_tile_without_the_extension_says_what_it_needs():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# K-grouped (wgrad): the 16-aligned layout's rules (DESIGN §4, docs/layouts.md)
+# K-grouped (wgrad): the 16-aligned layout's rules (docs/design.md §4, docs/layouts.md)
 # ------------------------------------------------------------------------------------------------------------------
 K_SIZES = [100, 0, 60]  # M = 160, G = 3: P = 160 + 48 = 208, MB = 1 + 3 = 4
 

@@ -115,7 +115,7 @@ def _repitched(t, pitch):
     return buf.view(torch.float8_e4m3fn)[:, : t.shape[1]]
 
 
-# _k_args(): M = 160, G = 3, so P = 160 + 48 = 208 and MB = 1 + 3 = 4 (the 16-aligned layout, DESIGN §4).
+# _k_args(): M = 160, G = 3, so P = 160 + 48 = 208 and MB = 1 + 3 = 4 (the 16-aligned layout, docs/design.md §4).
 K_BAD = [
     ("dy_t dtype", lambda a: a.update(dy_t=a["dy_t"].float()), TypeError, "dy_t must have dtype float8_e4m3fn"),
     ("x_t column-major", lambda a: a.update(x_t=a["x_t"].t().contiguous().t()), ValueError,

@@ -148,7 +148,7 @@ def test_token_blocks():
     assert G.token_block_counts(sizes, 64).tolist() == [0, 1, 2, 2, 3, 5, 0]
 
 
-# The wgrad operands' 16-aligned token columns (DESIGN §4): a_g = sum_{h<g} round_up(M_h, 16), P at its bound.
+# The wgrad operands' 16-aligned token columns (docs/design.md §4): a_g = sum_{h<g} round_up(M_h, 16), P at its bound.
 WGRAD_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0]
 WGRAD_STARTS = [0, 0, 16, 32, 48, 80, 208, 336, 480, 480]
 

@@ -1,4 +1,4 @@
-"""K-grouped (weight-gradient) FP8 GEMM on the H200, on the 16-aligned wgrad layout (DESIGN §4: group g's tokens at
+"""K-grouped (weight-gradient) FP8 GEMM on the H200, on the 16-aligned wgrad layout (docs/design.md §4: group g's tokens at
 columns [a_g, a_g + M_g) of [rows, P], a_g = sum_{h<g} round_up(M_h, 16)): bit-exact against each group padded with
 zero tokens to a multiple of 128, accurate against float64, only each group's columns read, accumulate mode,
 determinism, graphs, no host sync. Skipped without a Hopper GPU + extension."""
@@ -192,7 +192,7 @@ def _wider(t, pitch):
 def test_only_each_groups_columns_are_read(sizes, n, k):
     """The <= 15 columns between groups and the tail [a_G, P) (zeros from the quantizer) and the bytes past P in a
     wider row pitch are never multiplied into a result: poisoned with NaN, the bits do not change. (A block's
-    columns past its group's end must give exact zero products, DESIGN §4.)"""
+    columns past its group's end must give exact zero products, docs/design.md §4.)"""
     x, dy = _operands(sizes, n, k, 12)
     dyt, dys, xt, xs, g = _quantized(x, dy, sizes)
     want = k_grouped_fp8_gemm(dyt, dys, xt, xs, g)

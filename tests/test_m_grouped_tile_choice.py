@@ -1,7 +1,8 @@
 """The M-grouped GEMM's default tile (csrc/include/megatron_tma/scheduler/m_grouped_tile_choice.h), checked on the
 CPU: the header is plain C++, compiled here with the host compiler into a small driver
 (tests/cpp/m_grouped_tile_choice_main.cpp). The expected tiles on the paper's grid are the measured winners of
-the grid at 05067f9 (benchmarks/results/m_grouped-20261129-1918.json, ours_m128 / ours_m192 / ours_bn192)."""
+the grid at 05067f9 (benchmarks/results/m_grouped-20261129-1918.json, in git history; ours_m128 / ours_m192 /
+ours_bn192)."""
 import itertools
 import os
 import random

@@ -330,7 +330,7 @@ def test_spec_switch_replaces_only_the_experts():
 def test_experts_compute_megatrons_experts_function(megatron_cpu, probs_on_input, activation):
     """Given the weights of Megatron's own experts (SequentialMLP of the local spec), megatron_tma's BF16 experts
     compute the same function (SwiGLU with the gate half first, probs after the activation, or on the input with
-    `moe_apply_probs_on_input` at top-1): DESIGN.md's diff at BF16 rounding level; the FP8 experts within the FP8
+    `moe_apply_probs_on_input` at top-1): the diff of docs/design.md §3 at BF16 rounding level; the FP8 experts within the FP8
     recipe's noise. State-dict keys map one to one."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -248,7 +248,7 @@ def test_kernel_errors():
 @pytest.mark.parametrize("sizes", [[0, 1, 127, 128, 129, 0, 300, 64], [1000], [0, 5]])
 @pytest.mark.parametrize("align", [128, 16])
 def test_padded_path_matches_the_unpadded_gemm(sizes, align):
-    """DESIGN.md §3: the valid rows of the padded path equal the unpadded GEMM bit for bit."""
+    """docs/design.md §3: the valid rows of the padded path equal the unpadded GEMM bit for bit."""
     gemm = pytest.importorskip("megatron_tma.gemm")
     gen = seeded("gemm", tuple(sizes), align)
     m, g, n, k = sum(sizes), len(sizes), 256, 512

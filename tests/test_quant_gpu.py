@@ -135,7 +135,7 @@ def test_128x128_two_dimensional_weight(gen):
 # ------------------------------------------------------------------------------------------------
 # Per-group 128x1
 # ------------------------------------------------------------------------------------------------
-# The wgrad layout (DESIGN.md §4, 16-aligned group starts), written out here independently of the reference:
+# The wgrad layout (docs/design.md §4, 16-aligned group starts), written out here independently of the reference:
 # qt is [K, P] contiguous, P = round_up(M, 16) + 16 G; group g's tokens at columns [a_g, a_g + M_g),
 # a_g = sum_{h<g} round_up(M_h, 16); every other column (the gap after each group, the tail [a_G, P)) is 0.
 def wgrad_pitch(m: int, num_groups: int) -> int:

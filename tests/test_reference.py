@@ -344,7 +344,7 @@ def test_128x128_layout(gen, shape):
         assert torch.equal(qbytes(qt2), qbytes(qt[0])) and torch.equal(st2, st[0])
 
 
-# Sizes around the 16-column alignment of the wgrad layout and the 128-token blocks (DESIGN §4).
+# Sizes around the 16-column alignment of the wgrad layout and the 128-token blocks (docs/design.md §4).
 WGRAD_EDGE = [0, 1, 15, 16, 17, 127, 128, 129]
 WGRAD_GROUPINGS = {
     **{f"one_{m}": [m] for m in WGRAD_EDGE},
@@ -500,7 +500,7 @@ def test_fma32_is_fused_and_correctly_rounded(gen):
 
 
 def _scalar_m_grouped(a, a_s, b, b_s, sizes, cols):
-    """DESIGN §3 for the given output columns with exact rationals: accumulation order and roundings.
+    """docs/design.md §3 for the given output columns with exact rationals: accumulation order and roundings.
     Returns the FP32 accumulators (as float64)."""
     M, K = a.shape
     out = torch.zeros(M, len(cols), dtype=torch.float64)

@@ -4,7 +4,7 @@
 experts builders (`ExpertsBuilder` in `megatron/core/transformer/moe/moe_layer.py`) and returns an expert MLP with
 `TEGroupedMLP`'s forward contract: `(permuted tokens [T, H], tokens per local expert [G], permuted probs [T]) ->
 (out [T, H], None)`. The modes (`megatron_tma.mcore.config.MODES`):
-* `"unpadded"`: `megatron_tma.mlp.GroupedFP8MLP`, the FP8 blockwise recipe of DESIGN.md without padding; this is
+* `"unpadded"`: `megatron_tma.mlp.GroupedFP8MLP`, the FP8 blockwise recipe of docs/design.md without padding; this is
   what replaces Megatron's padded FP8 expert path (`TEGroupedMLP` behind `Fp8Padding`, 16 rows per expert);
 * `"padded16"`, `"padded128"`: its padded twin, the same FP8 Functions on every expert padded to 16 / 128 rows
   (Transformer Engine's and DeepGEMM's alignments): equal to `"unpadded"` bit for bit, which the recipe checks;

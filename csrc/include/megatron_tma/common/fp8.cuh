@@ -1,4 +1,4 @@
-// FP8 e4m3 block quantization numerics: the device-side copy of the scale formula (DESIGN.md §3,
+// FP8 e4m3 block quantization numerics: the device-side copy of the scale formula (docs/design.md §3,
 // docs/layouts.md). megatron_tma/reference.py (`block_scale`, `fp8_e4m3_satfinite`) is the torch copy;
 // tests/test_quant_gpu.py pins the two equal bit for bit, so change both or neither.
 //

@@ -1,4 +1,4 @@
-// FP32 promotion of one K block's tensor-core partial sums into the running accumulator (DESIGN.md §3):
+// FP32 promotion of one K block's tensor-core partial sums into the running accumulator (docs/design.md §3):
 // acc = fma(sa * sb, p, acc) with the scale product rounded first. The wgmma m64nN fragment gives each
 // thread rows r0 and r0 + 8 and, for j = 0..N/8-1, columns 8j + 2(lane%4) + {0, 1}, in registers
 // {4j, 4j+1} (row r0) and {4j+2, 4j+3} (row r0+8).

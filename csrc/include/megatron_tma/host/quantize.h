@@ -21,7 +21,7 @@ enum class QuantInput : int { kBf16 = 0, kFp16 = 1 };
 // Largest G quantize_grouped_128x1 accepts (group, column and token-block offsets live in shared memory).
 constexpr int kQuantizeGroupedMaxGroups = 8192;
 
-// Row pitch P of the wgrad operand qt [k, P] (DESIGN.md §4): the upper bound round_up(m, 16) + 16 G of the
+// Row pitch P of the wgrad operand qt [k, P] (docs/design.md §4): the upper bound round_up(m, 16) + 16 G of the
 // 16-aligned group starts, known on the host from m and G alone.
 constexpr int64_t wgrad_pitch(int64_t m, int64_t num_groups) { return (m + 15) / 16 * 16 + 16 * num_groups; }
 

@@ -6,7 +6,7 @@
 // with W = 2F for SwiGLU (gate half first, silu(gate) * up, as Megatron) and W = F for GELU (erf) and
 // squared ReLU; everything in FP32 from the BF16 inputs, rounded once. Why a kernel: done with torch ops
 // the layer makes ~12 passes over FP32 copies of [T, F] (a third of a Mixtral-sized step on the H200,
-// scripts/profile_mlp_layer.py); here the forward reads h once and writes z, the backward reads h and dz
+// lab/profile_mlp_layer.py); here the forward reads h once and writes z, the backward reads h and dz
 // once and writes dh.
 //
 // What the padded twin's bit-exactness needs: every output element depends only on its own row, and the

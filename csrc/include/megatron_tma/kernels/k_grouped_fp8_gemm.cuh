@@ -1,7 +1,7 @@
 // K-grouped FP8 GEMM (weight gradient) without padding: dW[g] = dY_g^T . X_g, contracting over each group's
 // own tokens, whatever their count.
 //
-// Operands (DESIGN.md §4, docs/layouts.md): token-contiguous dY^T [N, P] and X^T [K, P]; group g's tokens sit at
+// Operands (docs/design.md §4, docs/layouts.md): token-contiguous dY^T [N, P] and X^T [K, P]; group g's tokens sit at
 // columns [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16), with zeros in the <= 15 columns after each group;
 // one FP32 scale per row per 128-token block counted from the group's first token (rows B_g + j of the scales).
 //
@@ -11,7 +11,7 @@
 // positions (the tensor cores' k32 partial sums depend on which tokens share a step: that is what makes the bits
 // those of the 128-padded layout). A group's last block may be partial; its box runs into the zero gap and the
 // next group's tokens, so the math warps zero the tokens past the group's end in both operand tiles before its
-// wgmma: every product there is then exactly 0 * 0, as in the padded layout (DESIGN.md §3).
+// wgmma: every product there is then exactly 0 * 0, as in the padded layout (docs/design.md §3).
 //
 // Structure: the M-grouped kernel's, over the K-grouped scheduler's tiles (group, N block, K block). Persistent
 // grid; warpgroup 0 = one TMA producer thread; warpgroups 1-2 = math, 64 output rows (N) each, with two partial

@@ -1,6 +1,6 @@
 // M-grouped FP8 GEMM without padding: D[rows of group g] = A[rows of g] . B[g]^T, BF16 out.
 //
-// Forward (B = W [G, N, K]) and dgrad (B = W^T [G, K, N]) are the same kernel. Numerics (DESIGN.md §3):
+// Forward (B = W [G, N, K]) and dgrad (B = W^T [G, K, N]) are the same kernel. Numerics (docs/design.md §3):
 // per 128-wide K block the tensor cores form the FP8 partial sum p in a zeroed FP32 fragment (four
 // m64n{BLOCK_N}k32 wgmma), then the CUDA cores promote acc = fma(sa * sb, p, acc); BF16 RNE at the end.
 // Every output row depends only on its own A row, so valid rows equal the padded path bit for bit.
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     float part2[Mma::kRegs];
     // A stage's descriptors are stage 0's plus stage * bytes / 16 in the 14-bit start-address field (shared
     // memory is below 256 KB: no carry out of it). Rebuilding them from the address every block cost ~5%
-    // (benchmarks/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd). Stage 0's low words pass
+    // (lab/ceiling/m_tile_ceiling.cu, variants prod-like and prod-like-fd). Stage 0's low words pass
     // through a shfl so that ptxas holds them in uniform registers instead of recomputing them every block.
     const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
     const KmajorSw128Desc db0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_B).lo, 0)};

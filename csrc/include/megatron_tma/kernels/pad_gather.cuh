@@ -1,4 +1,4 @@
-// Gather kernels of the padded-path baseline (DESIGN.md §5): pad FP8 activations and their 1x128 scales
+// Gather kernels of the padded-path baseline (docs/design.md §5): pad FP8 activations and their 1x128 scales
 // into groups aligned to `align` rows, and un-pad the BF16 GEMM output back to the unpadded rows.
 //
 // Padded layout: group g owns padded rows [P_g, P_g + round_up(M_g, align)), P_g = sum_{h<g} round_up(M_h,

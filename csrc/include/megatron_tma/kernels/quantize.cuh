@@ -1,4 +1,4 @@
-// Block FP8 quantizers (DESIGN.md §3, byte layouts in docs/layouts.md). All three are memory-bound
+// Block FP8 quantizers (docs/design.md §3, byte layouts in docs/layouts.md). All three are memory-bound
 // streams: 16-byte loads with several in flight per thread, 16-byte coalesced stores, the amax reduced
 // with warp shuffles / shared memory, and the scale formula of common/fp8.cuh. Inputs are 16-bit
 // (bf16 or fp16, `In` below), row-major with 16-byte aligned rows (K % 16 == 0).
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
 // ================================================================================================
 // Per-group 128x1 token blocks: wgrad operands
 // ================================================================================================
-// Layout (DESIGN.md §4): qt is [k, ld], ld = round_up(m, 16) + 16 G. Group g's tokens sit at columns
+// Layout (docs/design.md §4): qt is [k, ld], ld = round_up(m, 16) + 16 G. Group g's tokens sit at columns
 // [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16); every other column is zero.
 //
 // Work is cut into slots, mb_max + 1 per column block, each owning a run of whole 16-byte chunks of every qt

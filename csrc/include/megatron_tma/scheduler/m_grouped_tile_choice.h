@@ -14,8 +14,8 @@
 // group's last tile may leave one or two warpgroups idle, and a lone warpgroup cannot hide its promotion, a
 // loss the tile count does not see (measured up to -17% on balanced groups of 256-1024 rows).
 //
-// Rates, from the grid at 05067f9 (benchmarks/results/m_grouped-20261129-1918.json, the ours_m128 / ours_m192
-// / ours_bn192 columns on rows whose groups average >= 4096 rows, medians): 192 x 128 x1.10, 128 x 192 x1.08.
+// Rates, from the grid at 05067f9 (benchmarks/results/m_grouped-20261129-1918.json, in git history; the ours_m128 /
+// ours_m192 / ours_bn192 columns on rows whose groups average >= 4096 rows, medians): 192 x 128 x1.10, 128 x 192 x1.08.
 // benchmarks/NOTES.md has the per-row numbers behind them.
 #pragma once
 

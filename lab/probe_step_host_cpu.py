@@ -1,0 +1,123 @@
+"""Host time of one expert-MLP training step on the CUDA code path, measured on a CPU machine: every C++ op of the
+extension is replaced by a CPU fake that only allocates its outputs (the ops' own fake implementations), so what is
+timed is the package's Python (argument checks, weight cache, autograd Functions, module code) plus torch's
+autograd engine, not kernel launches. It answers "how much host time does a step spend outside the ops" without
+device time; on the GPU, `lab/probe_step_host.py` and `lab/profile_mlp_layer.py` time the real thing.
+
+    python lab/probe_step_host_cpu.py [--G 32] [--layout stacked|per_expert] [--steps 50] [--profile]
+
+Shapes are Qwen3-like (H=2048, F=768) with M=2048 tokens (the fakes do not touch the data, so sizes matter only
+through allocation). --profile prints cProfile's top entries by own time.
+"""
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+import bench_mlp_layer as bml  # noqa: E402
+
+from megatron_tma import _ext, quant  # noqa: E402
+from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
+
+
+def _fake_ops():
+    def m_grouped_out(a, a_scales, b, b_scales, groups, out, block_n=0, block_m=0):
+        return None
+
+    checked = []
+
+    def k_grouped_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate=False, *rest):
+        # The op writes `out` in place. Its operands are the quantizer fakes' wgrad columns, dy_t [N, P] and
+        # x_t [K, P] with the same P (docs/design.md §4: P = round_up(M, 16) + 16 G once the 16-aligned quantizer is
+        # in), and out is [G, N, K] with G <= the scales' rows: checked on the first call only, so that the
+        # timed steps carry no work the real op's Python side does not do.
+        if not checked:
+            n, p = dy_t.shape
+            k, p2 = x_t.shape
+            mb = dy_t_scales.shape[0]
+            ok = (p2 == p and tuple(out.shape[1:]) == (n, k) and out.shape[0] <= mb
+                  and tuple(dy_t_scales.shape) == (mb, n) and tuple(x_t_scales.shape) == (mb, k))
+            if not ok:
+                raise AssertionError(f"k_grouped op handed dy_t {tuple(dy_t.shape)}, x_t {tuple(x_t.shape)}, scales "
+                                     f"{tuple(dy_t_scales.shape)} / {tuple(x_t_scales.shape)}, out {tuple(out.shape)}")
+            checked.append(True)
+        return None
+
+    def act_forward(h, probs, act):
+        return h.new_empty(h.shape[0], h.shape[1] // 2 if act == 0 else h.shape[1])
+
+    def act_backward(dz, h, probs, act, *rest):
+        return torch.empty_like(h), h.new_empty(h.shape[0], dtype=torch.float32)
+
+    return types.SimpleNamespace(
+        quantize_1x128=quant._fake_quantize_1x128,
+        quantize_128x128=quant._fake_quantize_128x128,
+        quantize_grouped_128x1=quant._fake_quantize_grouped_128x1,
+        quantize_1x128_and_grouped_128x1=quant._fake_quantize_1x128_and_grouped_128x1,
+        m_grouped_fp8_gemm_out=m_grouped_out,
+        k_grouped_fp8_gemm_out=k_grouped_out,
+        act_times_probs_forward=act_forward,
+        act_times_probs_backward=act_backward,
+    )
+
+
+def install_fake_ops():
+    """Route every `backend="auto"` call of the package to the CPU fakes (this process only)."""
+    fake = _fake_ops()
+    _ext.ops = lambda: fake
+    _ext.use_cuda = lambda backend, device: backend != "reference"
+    _ext.fast_op = lambda name, backend, data: getattr(fake, name) if backend != "reference" else None
+    _ext.cuda_kernels_available = lambda device=None: True
+
+
+def make_step(G, layout, M=2048, H=2048, F=768):
+    """The layer benchmark's step (fresh gradients, weights re-quantized) on CPU tensors."""
+    torch.manual_seed(0)
+    module = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=layout)
+    sizes = torch.full((G,), M // G, dtype=torch.int64)
+    sizes[-1] += M - int(sizes.sum())
+    x = torch.randn(M, H).bfloat16().requires_grad_()
+    probs = torch.rand(M).requires_grad_()
+    dy = torch.randn(M, H).bfloat16()
+    return bml.Step(module, x, sizes, probs, dy, requantize=True)
+
+
+def host_ms_per_step(step, steps, reps=7):
+    """Best of `reps` batches of `steps` steps, ms per step."""
+    for _ in range(5):
+        step()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        best = min(best, (time.perf_counter() - t0) / steps)
+    return 1e3 * best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--G", type=int, default=32)
+    ap.add_argument("--layout", choices=("stacked", "per_expert"), default="stacked")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    install_fake_ops()
+    step = make_step(args.G, args.layout)
+    print(f"G={args.G} {args.layout}: {host_ms_per_step(step, args.steps):.3f} ms of host time per step "
+          "(fake ops, best of 7)")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [step() for _ in range(args.steps)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
