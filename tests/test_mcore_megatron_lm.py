@@ -143,6 +143,33 @@ def test_spec_flag_through_megatron_lms_importer_builds_trainable_experts(megatr
         assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
 
 
+def test_spec_imported_before_the_parallel_state_is_a_callable_for_the_builder(megatron_lm_args, monkeypatch):
+    """megatron-core 0.19's pretrain_gpt.py imports `--spec` in `gpt_config_from_args`, before `initialize_megatron`
+    sets up the parallel state that a block spec needs: the module then gives the callable `GPTModelBuilder` calls per
+    model chunk, `(model_config, vp_stage=...)`, after running the refusals. (tests/test_megatron_lm_patch.py builds
+    the model through that builder.)"""
+    import inspect
+    import types
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.spec_utils import import_module
+
+    args = megatron_lm_args("--spec", MODULE, "unpadded")
+    with monkeypatch.context() as m:
+        m.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+        spec = import_module(args.spec)
+    assert callable(spec) and "vp_stage" in inspect.signature(spec).parameters
+    config = core_transformer_config_from_args(args)
+    built = spec(types.SimpleNamespace(transformer=config), vp_stage=None)
+    assert [e.keywords["mode"] for e in _moe_experts(built)] == ["unpadded", "unpadded"]
+    assert len(built.layer_specs) == len(mcore.megatron_lm_spec(args, config, "unpadded").layer_specs)
+    sys.modules.pop(MODULE)
+    args.spec = [MODULE, "fp8"]  # refused at the import, as before
+    with monkeypatch.context() as m, pytest.raises(ValueError, match="MODE must be one of"):
+        m.setattr(parallel_state, "model_parallel_is_initialized", lambda: False)
+        importlib.import_module(MODULE)
+
+
 def test_spec_names_one_mode(megatron_lm_args):
     megatron_lm_args("--spec", MODULE)
     with pytest.raises(ValueError, match="name one mode"):

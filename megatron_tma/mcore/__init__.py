@@ -7,7 +7,9 @@
   imports megatron-core (0.19) and loads when first used; `megatron_lm_spec`, the spec Megatron-LM's GPT builder
   would pick, with these experts;
 * `megatron_lm`: Megatron-LM's switch, `pretrain_gpt.py ... --spec megatron_tma.mcore.megatron_lm unpadded` (import
-  it only there: it reads Megatron-LM's parsed arguments).
+  it only there: it reads Megatron-LM's parsed arguments);
+* `experts_impl`: Megatron-LM's flag `--moe-experts-impl megatron_tma-unpadded`, which `patches/` adds: its choices
+  and the hook the patched GPT builder calls (no Megatron import until the hook runs).
 The recipe that trains a small MoE GPT with each mode under torchrun and compares them is `recipes/moe_gpt.py`.
 """
 import importlib
@@ -17,9 +19,10 @@ from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_wei
 
 __all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts",
            "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights", "CONFIG_FLAG",
-           "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec"]
+           "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec", "replace_experts"]
 
-_LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec"}
+_LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec",
+         "replace_experts": "spec"}
 
 
 def __getattr__(name):

@@ -19,7 +19,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from .config import CONFIG_FLAG, MODES, expert_mlp_args
 from .experts import megatron_experts
 
-__all__ = ["use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec"]
+__all__ = ["use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec", "check_megatron_lm_spec",
+           "replace_experts"]
 
 
 def _is_moe(builder) -> bool:
@@ -65,18 +66,89 @@ def use_megatron_tma_experts(spec, mode: Optional[str], backend: str = "auto"):
     return new
 
 
+def _experts_mode(builder) -> Optional[str]:
+    """The mode of a megatron_tma experts builder, None for any other builder (Megatron's own experts)."""
+    if isinstance(builder, functools.partial) and builder.func is megatron_experts:
+        return builder.keywords.get("mode", "unpadded")
+    return None
+
+
+def _moe_submodules(builder):
+    return builder.keywords["submodules"] if isinstance(builder, functools.partial) else builder.submodules
+
+
+def _replace_in(obj, experts, mode: str, depth: int):
+    """(obj with every MoE layer's experts replaced, how many MoE layers it holds); obj itself when none."""
+    if depth > 32:
+        return obj, 0
+    if _is_moe(obj):
+        theirs = _experts_mode(_moe_submodules(obj).experts)
+        if theirs is not None and theirs != mode:
+            raise ValueError(f"the layer spec already has megatron_tma's {theirs} experts (--spec), and "
+                             f"{mode} was asked for (--moe-experts-impl): name one")
+        return _swap_experts(obj, experts), 1
+    if isinstance(obj, (list, tuple)):
+        items = [_replace_in(item, experts, mode, depth + 1) for item in obj]
+        count = sum(n for _, n in items)
+        if not count:
+            return obj, 0
+        new_items = [item for item, _ in items]
+        return (type(obj)(*new_items) if hasattr(obj, "_fields") else type(obj)(new_items)), count
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # ModuleSpec, *Submodules
+        changed, count = {}, 0
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name, None)
+            new, n = _replace_in(value, experts, mode, depth + 1)
+            count += n
+            if new is not value:
+                changed[field.name] = new
+        if not changed:
+            return obj, count
+        new_obj = copy.copy(obj)
+        for name, value in changed.items():
+            object.__setattr__(new_obj, name, value)
+        return new_obj, count
+    return obj, 0
+
+
+def replace_experts(spec, mode: str, backend: str = "auto"):
+    """(a copy of `spec` whose every MoE layer builds megatron_tma's experts in `mode`, how many MoE layer specs it
+    holds): a layer spec, a block spec (`TransformerBlockSubmodules`), a multi-token-prediction block spec, any
+    tree of `ModuleSpec`s and spec dataclasses. Parts without an MoE layer are shared, not copied; `spec` itself is
+    returned, with 0, when it has none. Raises if an MoE layer already has megatron_tma's experts in another mode.
+    What `--moe-experts-impl` does to the specs Megatron-LM's GPT builder makes (`experts_impl`)."""
+    if mode not in MODES:
+        raise ValueError(f"experts mode must be one of {', '.join(MODES)}, got {mode!r}")
+    experts = functools.partial(megatron_experts, mode=mode, backend=backend)
+    return _replace_in(spec, experts, mode, 0)
+
+
 def layer_spec_from_config(spec, config, backend: str = "auto"):
     """`use_megatron_tma_experts(spec, config.moe_megatron_tma_experts)`: the config flag, None when unset."""
     return use_megatron_tma_experts(spec, getattr(config, CONFIG_FLAG, None), backend)
 
 
-def megatron_lm_spec(args, config, mode: str, backend: str = "auto"):
-    """The layer spec Megatron-LM's GPT builder (`gpt_builders.gpt_builder`) picks for an MoE model from its parsed
-    `args` (the decoder block spec, with Transformer Engine or local modules per `--transformer-impl`), with
-    megatron_tma's experts in `mode`; `config` is `core_transformer_config_from_args(args)`. What `--spec
-    megatron_tma.mcore.megatron_lm MODE` hands Megatron-LM. Refuses what that builder would build differently, and
-    the expert settings megatron_tma does not implement, with the argument named, before any layer is built. With
-    virtual pipeline stages it hands a layer spec instead (see `_uniform_layer_spec`)."""
+def megatron_lm_spec(args, config, mode: str, backend: str = "auto", vp_stage: Optional[int] = None):
+    """The layer spec Megatron-LM's GPT builder picks for an MoE model from its parsed `args` (the decoder block
+    spec, with Transformer Engine or local modules per `--transformer-impl`), with megatron_tma's experts in `mode`;
+    `config` is `core_transformer_config_from_args(args)`. What `--spec megatron_tma.mcore.megatron_lm MODE` hands
+    Megatron-LM. Refuses what that builder would build differently, and the expert settings megatron_tma does not
+    implement, with the argument named, before any layer is built. `vp_stage`: the model chunk, where the caller
+    builds one spec per chunk (megatron-core 0.19's `GPTModelBuilder`); with virtual pipeline stages and no
+    `vp_stage` (one spec for every chunk) it hands a layer spec instead (see `_uniform_layer_spec`)."""
+    check_megatron_lm_spec(args, config, mode)
+    use_te = args.transformer_impl == "transformer_engine"
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None and vp_stage is None:
+        return use_megatron_tma_experts(_uniform_layer_spec(config, use_te, args), mode, backend)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    base = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                      qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    return replace_experts(base, mode, backend)[0]  # a pipeline stage may hold no MoE layer (--moe-layer-freq)
+
+
+def check_megatron_lm_spec(args, config, mode: str) -> None:
+    """`megatron_lm_spec`'s refusals, which need neither the parallel state nor a layer built."""
     if mode not in MODES:
         raise ValueError(f"--spec megatron_tma.mcore.megatron_lm MODE: MODE must be one of {', '.join(MODES)}, "
                          f"got {mode!r}")
@@ -88,14 +160,6 @@ def megatron_lm_spec(args, config, mode: str, backend: str = "auto"):
     if getattr(args, "transformer_impl", None) == "inference_optimized":
         raise ValueError("--transformer-impl inference_optimized has no MoE block spec in Megatron-LM")
     expert_mlp_args(config)  # the refusals (biases, expert TP, ...) now, naming the field
-    use_te = args.transformer_impl == "transformer_engine"
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-        return use_megatron_tma_experts(_uniform_layer_spec(config, use_te, args), mode, backend)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    base = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
-                                      qk_l2_norm=args.qk_l2_norm)
-    return use_megatron_tma_experts(base, mode, backend)
 
 
 def _uniform_layer_spec(config, use_te: bool, args):
