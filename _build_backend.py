@@ -151,7 +151,17 @@ def target_site_packages():
     """The site-packages of the environment the package is being installed into (pip's build isolation hides them
     from sys.path; the interpreter is the same)."""
     paths = sysconfig.get_paths()
-    return sorted({paths["purelib"], paths["platlib"]})
+    found = {paths["purelib"], paths["platlib"]}
+    cfg = os.path.join(sys.prefix, "pyvenv.cfg")
+    try:  # a venv made with --system-site-packages sees its base's packages too
+        with open(cfg) as f:
+            shares = any(line.replace(" ", "").strip().lower() == "include-system-site-packages=true" for line in f)
+    except OSError:
+        shares = False
+    if shares:
+        base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})
+        found |= {base["purelib"], base["platlib"]}
+    return sorted(found)
 
 
 def _target_has_torch() -> bool:
