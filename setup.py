@@ -1,19 +1,23 @@
-"""Build megatron_tma.
+"""Build megatron_tma: the sm_90a CUDA extension `megatron_tma._C` where it can run, else the pure-Python package.
 
-`pip install -e .` builds the CUDA extension `megatron_tma._C` for sm_90a when a CUDA build of torch
-and nvcc are both present; otherwise it installs the pure-Python package (reference backend only) and
-says so. CuTe/CUTLASS headers come from the `nvidia-cutlass` wheel (only its headers are used); a CUDA torch with
-nvcc but without them is an error (MEGATRON_TMA_NO_CUDA=1 asks for the pure-Python package explicitly).
+Whether to build the kernels is decided by `_build_backend.cuda_build_plan` (read its docstring): a visible Hopper
+GPU (or MEGATRON_TMA_NO_CUDA=0) builds them, and then anything missing stops the install with the error; no such GPU
+(or MEGATRON_TMA_NO_CUDA=1) installs the pure-Python package (reference backend only), with one line saying why,
+which is also kept in the package for `python -m megatron_tma`. CuTe/CUTLASS headers come from the `nvidia-cutlass`
+wheel (only its headers are used) or $CUTLASS_INCLUDE_DIR.
 """
 import glob
 import os
 import shlex
-import shutil
 import sys
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)  # `python setup.py build_ext --inplace` too, not only pip (pyproject.toml's backend-path)
+from _build_backend import CannotBuild, cuda_build_plan, import_torch_for_the_build  # noqa: E402
+
+NO_KERNELS_FILE = os.path.join(ROOT, "megatron_tma", "_no_kernels.txt")  # why this install has no kernels
 
 
 def cutlass_include_dir():
@@ -35,25 +39,31 @@ def cutlass_include_dir():
 
 
 def want_cuda():
-    if os.environ.get("MEGATRON_TMA_NO_CUDA") == "1":
-        return False, "MEGATRON_TMA_NO_CUDA=1"
+    """(build, reason), with the torch and CUTLASS checks that need the build environment's torch."""
+    build, why = cuda_build_plan()
+    if not build:
+        return False, why
     try:
-        import torch
+        torch = import_torch_for_the_build()
     except ImportError:
-        return False, "torch is not importable at build time"
+        raise CannotBuild(f"{why}, but torch is not importable (with --no-build-isolation, install torch first)") \
+            from None
     if torch.version.cuda is None:
-        return False, f"torch {torch.__version__} is a CPU build"
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None or shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is None:
-        return False, "nvcc not found (CUDA_HOME unset)"
+        raise CannotBuild(f"{why}, but torch {torch.__version__} is a CPU build: install a CUDA build of torch")
     if cutlass_include_dir() is None:
-        # A CUDA torch and nvcc mean a GPU build is wanted: installing without the kernels would leave backend="auto"
-        # on the torch reference, ~10x slower (seen on the H200: a Megatron recipe at ~1 s per step instead of ~0.1 s)
-        raise SystemExit("[megatron_tma] a CUDA build of torch and nvcc are here, but the CuTe/CUTLASS headers are "
-                         "not: pip install --no-deps nvidia-cutlass (or set CUTLASS_INCLUDE_DIR); "
-                         "MEGATRON_TMA_NO_CUDA=1 installs without the CUDA kernels")
-    return True, f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+        raise CannotBuild(f"{why}, but the CuTe/CUTLASS headers are not here: pip install --no-deps "
+                          "nvidia-cutlass==4.2.0.0 (or set CUTLASS_INCLUDE_DIR)")
+    return True, f"{why}; torch {torch.__version__} (CUDA {torch.version.cuda})"
+
+
+def record_no_kernels(reason):
+    """Keep the reason for a pure-Python install in the package (None: this build has the kernels)."""
+    if reason is None:
+        if os.path.exists(NO_KERNELS_FILE):
+            os.remove(NO_KERNELS_FILE)
+        return
+    with open(NO_KERNELS_FILE, "w") as f:
+        f.write(reason + "\n")
 
 
 def apply_ffma_hints(so_path):
@@ -114,9 +124,16 @@ if build_cuda:
             apply_ffma_hints(self.get_ext_fullpath(ext.name))
 
     cmdclass["build_ext"] = BuildExtensionWithFfmaHints
+    record_no_kernels(None)
     print(f"[megatron_tma] building the CUDA extension for sm_90a: {why}", file=sys.stderr)
 else:
-    print(f"[megatron_tma] pure-Python install (reference backend only): {why}", file=sys.stderr)
+    record_no_kernels(why)
+    print(f"[megatron_tma] PURE-PYTHON INSTALL, no CUDA kernels (reference backend only): {why}", file=sys.stderr)
+
+TEST_REQUIRES = [
+    "pytest>=7", "pytest-timeout", "psutil", "matplotlib", "numpy",
+    'megatron-core==0.19.2; python_version >= "3.12"',  # the version the integration is tested with; needs 3.12
+]
 
 setup(
     name="megatron_tma",
@@ -125,6 +142,8 @@ setup(
     packages=find_packages(include=["megatron_tma", "megatron_tma.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
+    extras_require={"test": TEST_REQUIRES},
+    package_data={"megatron_tma": ["_no_kernels.txt"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -23,6 +23,36 @@ if _REPO_ROOT not in sys.path:
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _FLUSH = None
+_KERNELS_CHECKED = False
+
+
+def kernels_problem(device=None):
+    """None when this process can benchmark megatron_tma's CUDA kernels; else why it cannot, in one line."""
+    from megatron_tma import _ext
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    if not _ext.has_extension():
+        return f"megatron_tma's CUDA extension is not built ({_ext.extension_error()})"
+    if not _ext.cuda_kernels_available(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"the kernels need an sm_90 (Hopper) GPU, {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+    return None
+
+
+def require_kernels(device=None) -> None:
+    """Refuse to benchmark where the kernels cannot run: backend="auto" would time the torch reference instead (after
+    a failed build a benchmark printed timings 200x its roofline). Called before the first timing and by
+    measure_ceilings, which every benchmark calls first."""
+    global _KERNELS_CHECKED
+    if _KERNELS_CHECKED:
+        return
+    problem = kernels_problem(device)
+    if problem is not None:
+        raise SystemExit(f"benchmarks: refusing to run: {problem}. The timings would be of the torch reference, not "
+                         "of the kernels. `python -m megatron_tma --check` says more; the kernels build with "
+                         "`pip install -e .` on a machine with a Hopper GPU and the CUDA toolkit.")
+    _KERNELS_CHECKED = True
 
 
 def flush_l2():
@@ -34,6 +64,7 @@ def flush_l2():
 
 
 def _time_once(fn, flush: bool) -> float:
+    require_kernels()
     if flush:
         flush_l2()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -137,6 +168,7 @@ def save_figure(fig, png: str, out_dir: str = None) -> None:
 
 def measure_ceilings(iters: int = 20) -> dict:
     """Copy bandwidth (bytes read + written per second) and dense FP8 GEMM rate, measured now."""
+    require_kernels()
     src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     src.random_()
     dst = torch.empty_like(src)

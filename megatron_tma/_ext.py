@@ -1,9 +1,22 @@
 """Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
 import functools
 import importlib.util
+import os
 import warnings
 
 import torch
+
+
+
+def _no_kernels_reason() -> str:
+    """Why the install has no compiled extension: the reason setup.py recorded, else what is known."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_no_kernels.txt")) as f:
+            return "a pure-Python install, whose build said: " + f.read().strip()
+    except OSError:
+        return ("no compiled megatron_tma._C here: a pure-Python install or an unbuilt source tree; pip install -e . "
+                "on a machine with a Hopper GPU and the CUDA toolkit builds it")
+
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.megatron_tma.*)
@@ -12,9 +25,7 @@ try:
 except ImportError as e:  # pure-Python install, or a build for another torch
     _C = None
     # Without the compiled file Python's message blames a circular import; say what it is instead.
-    _EXT_ERROR = e if importlib.util.find_spec(f"{__package__}._C") is not None else ImportError(
-        "no compiled megatron_tma._C: a pure-Python install (built without a CUDA torch, nvcc or the CuTe/CUTLASS "
-        "headers)")
+    _EXT_ERROR = e if importlib.util.find_spec(f"{__package__}._C") is not None else ImportError(_no_kernels_reason())
 
 
 def has_extension() -> bool:
@@ -51,8 +62,8 @@ def ops():
     if _C is None:
         raise RuntimeError(
             "megatron_tma was installed without its CUDA extension "
-            f"({_EXT_ERROR}); reinstall with a CUDA build of torch and nvcc present "
-            "(pip install --no-build-isolation -e .), or use the reference backend"
+            f"({_EXT_ERROR}); reinstall on a machine with a Hopper GPU and the CUDA toolkit "
+            "(pip install -e .), or use the reference backend"
         )
     return torch.ops.megatron_tma
 
@@ -102,9 +113,25 @@ def why_kernels_cannot_run(capability=None) -> str:
     """Why the CUDA kernels cannot run here: the extension's import error, or the GPU's architecture (its compute
     capability, when the caller knows it). One wording for the warning below and `python -m megatron_tma`."""
     if not has_extension():
-        return f"the CUDA extension is not built ({_EXT_ERROR})"
+        return f"the CUDA extension is not built: {_EXT_ERROR}"
     this = f", this one is sm_{capability[0]}{capability[1]}" if capability else ""
     return f"the kernels need an sm_90 (Hopper) GPU{this}"
+
+
+def kernels_unavailable(device=None, extension: bool = True):
+    """None when the CUDA kernels run on `device` (default: the current GPU); else why not, in one line: no GPU
+    visible (and why torch sees none), the GPU's architecture, and (`extension`) the extension's state, each that
+    applies."""
+    why = []
+    if not torch.cuda.is_available():
+        why.append(f"no GPU visible (torch {torch.__version__} is a CPU build)" if torch.version.cuda is None else
+                   f"no GPU visible (torch {torch.__version__} sees no CUDA device)")
+    elif not is_hopper(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        why.append(f"the kernels need an sm_90 (Hopper) GPU, {torch.cuda.get_device_name(device)} is sm_{major}{minor}")
+    if extension and not has_extension():
+        why.append(f"the CUDA extension is not built: {_EXT_ERROR}")
+    return "; ".join(why) or None
 
 
 def warn_if_reference_on_gpu(backend: str, device) -> bool:

@@ -8,6 +8,18 @@ from _dists import DISTRIBUTIONS, EDGE_GROUPINGS, GROUP_FORMATS
 from megatron_tma.groups import set_debug_checks
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end, also under -q: whether the CUDA kernels were tested here, and if not, why not."""
+    from megatron_tma import _ext
+
+    why = _ext.kernels_unavailable()
+    if why is None:
+        terminalreporter.write_line(f"megatron_tma: the CUDA kernels were tested on {torch.cuda.get_device_name()}")
+    else:
+        terminalreporter.write_line(f"megatron_tma: the CUDA kernels are not available here, so the GPU tests "
+                                    f"skipped: {why}", yellow=True)
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """CPU generator seeded from the test id: fresh data per test, reproducible across runs."""
