@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("moe_gpt", os.path.join(ROOT, "recipes", "moe_gpt.py"))
 recipe = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(recipe)
+recipe.import_megatron()  # the recipe imports megatron-core for its GPU job only
 
 
 def describe(o):

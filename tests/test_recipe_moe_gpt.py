@@ -166,3 +166,15 @@ def test_virtual_pipeline_chunks_are_named_apart(recipe):
     for bad in (["--vpp", "2"], ["--pp", "2", "--vpp", "0"]):
         with pytest.raises(SystemExit):
             recipe.parse_args(bad)
+
+
+def test_megatron_is_imported_for_the_gpu_job_only(recipe):
+    """The GPU job's megatron-core modules become the recipe's globals when preflight imports them (the CPU job,
+    --plot, --compare and --same-bits never import megatron-core)."""
+    assert recipe.import_megatron() is None
+    assert recipe.GPTModel.__name__ == "GPTModel" and recipe.parallel_state.__name__ == "megatron.core.parallel_state"
+    for name in ("DistributedDataParallel", "DistributedDataParallelConfig", "finalize_model_grads",
+                 "get_gpt_layer_local_spec", "OptimizerConfig", "get_megatron_optimizer", "get_forward_backward_func",
+                 "get_cuda_rng_tracker", "get_expert_parallel_rng_tracker_name", "model_parallel_cuda_manual_seed",
+                 "Float16Module", "TransformerConfig", "layer_spec_from_config"):
+        assert callable(getattr(recipe, name)), name

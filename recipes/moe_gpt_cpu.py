@@ -1,0 +1,196 @@
+"""The CPU job of recipes/moe_gpt.py (`--cpu`): the same tiny MoE GPT, trained once per experts mode on the same data
+from the same weights, through megatron_tma's own modules on the reference backend, without Megatron.
+
+Why not Megatron-core on gloo: its training path in megatron-core 0.19.2 assumes a CUDA device at these places
+(with a CPU torch 2.13 on one gloo rank, where `parallel_state.initialize_model_parallel` itself works; each hit in
+turn, the earlier ones stepped around to reach the next: CPU weight init without the RNG tracker, the allgather
+dispatcher, `torch.cuda.current_device` patched to "cpu"; clip_grads read in the source):
+* `tensor_parallel/random.py`, `CudaRNGStatesTracker.add` (from `model_parallel_cuda_manual_seed`):
+  `torch.cuda.get_rng_state()` -> AssertionError "Torch not compiled with CUDA enabled";
+* `transformer/moe/token_dispatcher.py`, `MoEAlltoAllTokenDispatcher.__init__`: `torch.cuda.Stream()` ->
+  RuntimeError "torch.cuda.Stream requires CUDA support" (the allgather dispatcher builds);
+* `models/common/embeddings/rotary_pos_embedding.py`, `RotaryEmbedding.get_emb`: `torch.cuda.current_device()`
+  (the GPT's forward);
+* `distributed/param_and_grad_buffer.py`, `_ParamAndGradBuffer.__init__` (Megatron's DDP):
+  `device=torch.cuda.current_device()`;
+* `optimizer/optimizer.py`, `MixedPrecisionOptimizer.__init__`: `torch.tensor(..., device='cuda')`, and
+  `Float16OptimizerWithFloat16Params.__init__` refuses parameters whose type is not `torch.cuda.*Tensor`
+  (TypeError "Wrapped parameters must be one of torch.cuda.FloatTensor, ..."); `optimizer/clip_grads.py` allocates
+  the norm on 'cuda' too;
+* `pipeline_parallel/schedules.py`, `forward_backward_no_pipelining`: `torch.zeros(..., device="cuda")`.
+So the CPU job keeps what can be kept: the experts are megatron_tma's `GroupedFP8MLP` (unpadded, and its padded16 /
+padded128 twins) and `GroupedBF16MLP`, fed as Megatron's dispatcher feeds them (tokens sorted by expert, the
+tokens per expert, the routing probs); around them a small GPT in plain torch: learned positions, causal attention,
+RMSNorm, a top-k router (softmax over the top-k logits, the switch load-balancing aux loss), FP32 main weights with
+AdamW and gradient clipping, the new weights copied into the BF16 parameters through `.data` (as Megatron's
+optimizer does, so the FP8 weight copies are re-made by the optimizer-step signal, not by version counters).
+The checks are the GPU job's (recipes/moe_gpt.py `summarize`): the same initial weights in every mode, every padded
+mode's per-step losses, grad norms and final parameters equal to the unpadded mode's, and an evaluation after the
+last step that gives the same loss again with the FP8 weight copies re-made.
+"""
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
+def _linear(n_in, n_out, std):
+    layer = nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16)
+    nn.init.normal_(layer.weight, std=std)
+    return layer
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, std, out_std):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = _linear(hidden, 3 * hidden, std), _linear(hidden, hidden, out_std)
+
+    def forward(self, x):  # [b, s, h]
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+
+
+class MoE(nn.Module):
+    """Top-k router and megatron_tma's experts, the tokens handed over as Megatron's dispatcher hands them."""
+
+    def __init__(self, args, mode, std, out_std):
+        super().__init__()
+        self.topk, self.experts_count = args.topk, args.experts
+        self.router = nn.Parameter(torch.empty(args.experts, args.hidden, dtype=torch.float32).normal_(std=std))
+        kw = dict(backend="reference", init_method=lambda w: nn.init.normal_(w, std=std))
+        if mode == "bf16":
+            self.experts = GroupedBF16MLP(args.experts, args.hidden, args.expert_ffn, "swiglu", **kw)
+        else:
+            pad_to = {"unpadded": None, "padded16": 16, "padded128": 128}[mode]
+            self.experts = GroupedFP8MLP(args.experts, args.hidden, args.expert_ffn, "swiglu", pad_to=pad_to, **kw)
+        with torch.no_grad():  # fc2 drawn as Megatron's output layers (std / sqrt(2 layers)), after fc1 as before
+            self.experts.linear_fc2.weight.mul_(out_std / std)
+
+    def forward(self, x):  # [b, s, h] -> (out, aux loss)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = x.float() @ self.router.t()  # [t, E], FP32
+        top, experts = logits.topk(self.topk, dim=1)
+        probs = top.softmax(dim=1)  # over the top-k logits (Megatron's default: no pre-softmax)
+        # switch load balancing: E * sum_e (share of routed tokens to e) x (mean router prob of e)
+        routed = torch.zeros_like(logits).scatter_(1, experts, 1.0).mean(0) / self.topk
+        aux = self.experts_count * (routed * logits.softmax(dim=1).mean(0)).sum()
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # rows grouped by expert, each expert's tokens in token order
+        token = order // self.topk
+        tokens_per_expert = torch.bincount(flat, minlength=self.experts_count)
+        out, _ = self.experts(x.index_select(0, token), tokens_per_expert, probs.flatten().index_select(0, order))
+        combined = torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token, out.float())
+        return combined.to(x.dtype).view(shape), aux
+
+
+class Layer(nn.Module):
+    def __init__(self, args, mode, std, out_std):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(args.hidden), RMSNorm(args.hidden)
+        self.attention = Attention(args.hidden, args.heads, std, out_std)
+        self.mlp = MoE(args, mode, std, out_std)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        out, aux = self.mlp(self.norm2(x))
+        return x + out, aux
+
+
+class TinyMoEGPT(nn.Module):
+    def __init__(self, args, mode, std=0.02):
+        super().__init__()
+        out_std = std / math.sqrt(2 * args.layers)
+        self.embedding = nn.Parameter(torch.empty(args.vocab, args.hidden, dtype=torch.bfloat16).normal_(std=std))
+        self.position = nn.Parameter(torch.empty(args.seq_len, args.hidden, dtype=torch.bfloat16).normal_(std=std))
+        self.layers = nn.ModuleList(Layer(args, mode, std, out_std) for _ in range(args.layers))
+        self.norm = RMSNorm(args.hidden)
+        self.output = _linear(args.hidden, args.vocab, std)
+
+    def forward(self, tokens, labels):
+        """(mean LM loss over the tokens, sum of the layers' aux losses), both FP32."""
+        x = self.embedding[tokens] + self.position[: tokens.shape[1]]
+        aux = torch.zeros(())
+        for layer in self.layers:
+            x, layer_aux = layer(x)
+            aux = aux + layer_aux
+        logits = self.output(self.norm(x)).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1)), aux
+
+
+def fp8_experts(model):
+    return [m for m in model.modules() if isinstance(m, GroupedFP8MLP)]
+
+
+def evaluate(model, batch):
+    """The loss of the first batch in evaluation (no grad)."""
+    model.eval()
+    with torch.no_grad():
+        loss, _ = model(batch[:, :-1], batch[:, 1:])
+    model.train()
+    return float(loss)
+
+
+def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
+    """One mode's run on the CPU: the record recipes/moe_gpt.py's `summarize` reads (per-step losses, grad norms and
+    times, digests of the initial weights and final parameters, the evaluation after the last step before and after
+    the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids."""
+    torch.manual_seed(args.seed)
+    model = TinyMoEGPT(args, mode)
+    params = list(model.parameters())
+    init_digests = [digests(model.named_parameters())]
+    main = [p.detach().float().clone().requires_grad_() for p in params]  # FP32 main weights, as Megatron's
+    optimizer = torch.optim.AdamW(main, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    losses, grad_norms, times = [], [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        for m in main:
+            m.grad = torch.zeros_like(m)
+        loss_sum = 0.0
+        for micro in range(args.micro_batches):
+            batch = batches[step * args.micro_batches + micro]
+            loss, aux = model(batch[:, :-1], batch[:, 1:])
+            ((loss + aux_coeff * aux) / args.micro_batches).backward()
+            for p, m in zip(params, main):  # the BF16 gradients accumulate in FP32 (Megatron's main_grad)
+                m.grad += p.grad.float()
+                p.grad = None
+            loss_sum += float(loss.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(main, clip))
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, main):
+                p.data.copy_(m)  # through .data, as Megatron's optimizer: the step signal re-makes the FP8 copies
+        loss = loss_sum / args.micro_batches
+        times.append(1e3 * (time.perf_counter() - t0))
+        if not math.isfinite(loss):
+            raise RuntimeError(f"{mode}: step {step} failed (loss={loss})")
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
+                  flush=True)
+    eval_loss = evaluate(model, batches[0])
+    experts = fp8_experts(model)
+    for e in experts:
+        e.invalidate_weight_cache()
+    eval_requantized = evaluate(model, batches[0]) if experts else eval_loss
+    return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
+            "param_digests": [digests(model.named_parameters())], "experts_diff_vs_megatron": None,
+            "peak_mb": None, "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": True}

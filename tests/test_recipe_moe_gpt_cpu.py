@@ -1,0 +1,206 @@
+"""recipes/moe_gpt.py's CPU job (`--cpu`, recipes/moe_gpt_cpu.py) end to end at a tiny size, and the one-line errors
+the recipe stops with, before any distributed set-up, when a piece is missing. No GPU and no megatron-core needed."""
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "moe_gpt.py")
+# seconds, not minutes: one layer, 2 micro-batches of 2 sequences of 32 tokens, 3 steps per mode
+TINY = ["--cpu", "--steps", "3", "--layers", "1", "--seq-len", "32", "--micro-batch-size", "2", "--micro-batches", "2",
+        "--vocab", "64", "--log-every", "1"]
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed (the test extra has it)")
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("moe_gpt_recipe_cpu_tests", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def torch_settings():
+    """The CPU job turns on torch's deterministic algorithms and sets the thread count, process-wide: put them back
+    after an in-process run."""
+    on, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill, threads = torch.utils.deterministic.fill_uninitialized_memory, torch.get_num_threads()
+    yield
+    torch.use_deterministic_algorithms(on, warn_only=warn)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """The CPU job as a user runs it: torchrun, one process, at the tiny size."""
+    out = tmp_path_factory.mktemp("cpu_job")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", RECIPE, *TINY,
+           "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run, out
+
+
+@needs_matplotlib
+def test_cpu_job_trains_the_twins_bit_for_bit_and_draws_the_plot(cpu_run):
+    run, out = cpu_run
+    assert run.returncode == 0, f"rc {run.returncode}:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    assert "bit for bit: unpadded == padded16 == padded128" in run.stdout
+    (path,) = glob.glob(str(out / "moe_gpt-*.json"))
+    result = json.load(open(path))
+    assert result["failures"] == [] and result["config"]["cpu"] and result["gpu"] == "none (CPU job)"
+    assert list(result["summary"]) == ["unpadded", "padded16", "padded128", "bf16"]
+    for mode in ("padded16", "padded128"):
+        row = result["summary"][mode]
+        assert row["same_initial_weights"] and row["bitexact_losses"] and row["bitexact_grad_norms"]
+        assert row["bitexact_params"] and row["eval_loss"] == row["eval_loss_requantized"]
+    assert len(result["rows"]) == 4 * 3 and result["loss_floor"] > 0
+    unpadded = [r["loss"] for r in result["rows"] if r["mode"] == "unpadded"]
+    bf16 = [r["loss"] for r in result["rows"] if r["mode"] == "bf16"]
+    assert unpadded != bf16 and abs(unpadded[-1] - bf16[-1]) < 0.05  # FP8 is not BF16, but close to it
+    assert os.path.getsize(path[:-len(".json")] + ".png") > 10000
+
+
+@needs_matplotlib
+def test_cpu_job_fails_when_a_twin_differs_by_one_ulp(recipe, torch_settings, tmp_path, monkeypatch, capsys):
+    """The checks are live on the CPU: padded16's output moved by one BF16 ulp in one row -> exit status 1."""
+    from megatron_tma.mlp import GroupedFP8MLP
+
+    forward = GroupedFP8MLP.forward
+
+    def off_by_one_ulp(self, *args, **kwargs):
+        out, bias = forward(self, *args, **kwargs)
+        if self.pad_to == 16:
+            out = torch.cat([(out[:1].view(torch.int16) + 1).view(torch.bfloat16), out[1:]])
+        return out, bias
+
+    monkeypatch.setattr(GroupedFP8MLP, "forward", off_by_one_ulp)
+    argv = [*TINY, "--steps", "2", "--modes", "unpadded", "padded16", "--out", str(tmp_path)]
+    assert recipe.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "NOT bit for bit: unpadded vs padded16" in out and "padded16 differs from unpadded" in out
+
+
+@needs_matplotlib
+def test_plot_draws_into_out_and_never_over_a_plot(recipe, cpu_run, tmp_path):
+    _, out = cpu_run
+    (path,) = glob.glob(str(out / "moe_gpt-*.json"))
+    before = sorted(os.listdir(out))
+    assert recipe.main(["--plot", path, "--out", str(tmp_path / "redrawn")]) == 0
+    assert os.listdir(tmp_path / "redrawn") == [os.path.basename(path)[:-len(".json")] + ".png"]
+    assert sorted(os.listdir(out)) == before  # the result's own plot untouched
+    for target in (tmp_path / "redrawn", out):  # a plot there already: refused, in one line
+        with pytest.raises(SystemExit, match=r"^moe_gpt.py: .*\.png exists; --plot draws into --out") as e:
+            recipe.main(["--plot", path, "--out", str(target)])
+        assert "\n" not in str(e.value.code)
+
+
+def test_cpu_job_refuses_megatrons_options(recipe):
+    for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
+                   ["--recompute-modules", "moe_act"]):
+        with pytest.raises(SystemExit) as e:
+            recipe.parse_args(["--cpu", *option])
+        assert e.value.code == 2, option
+    args = recipe.parse_args(["--cpu", "--steps", "7"])
+    assert args.steps == 7 and args.hidden == recipe.CPU_SIZE["hidden"] and args.modes == list(recipe.CPU_MODES)
+    assert recipe.parse_args([]).hidden == 1024 and "megatron" in recipe.parse_args([]).modes  # the GPU job's
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One line for each missing piece, before any distributed set-up
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu_job(recipe, monkeypatch, torch_settings):
+    """The GPU job's preconditions all met (monkeypatched), torchrun's environment set, and a process group that
+    must not be reached: each test then takes one piece away."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(recipe, "MEGATRON_PYTHON", (3, 0))
+    monkeypatch.setattr(recipe, "import_megatron", lambda: None)
+    monkeypatch.setattr(recipe, "cuda_kernels_available", lambda device=None: True)
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(key, value)
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the distributed set-up was reached")
+
+    monkeypatch.setattr(recipe.dist, "init_process_group", reached)
+    return recipe
+
+
+def _one_line(recipe, argv, message):
+    with pytest.raises(SystemExit) as e:
+        recipe.main(argv)
+    text = str(e.value.code)
+    assert text.startswith("moe_gpt.py: ") and "\n" not in text and message in text, text
+
+
+def test_the_gpu_job_reaches_the_distributed_set_up_when_nothing_is_missing(gpu_job, tmp_path):
+    with pytest.raises(AssertionError, match="distributed set-up was reached"):
+        gpu_job.main(["--out", str(tmp_path)])
+
+
+def test_no_gpu(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _one_line(gpu_job, ["--out", str(tmp_path)], "no CUDA GPU is visible")
+    _one_line(gpu_job, ["--out", str(tmp_path)], "torchrun --nproc-per-node 1 recipes/moe_gpt.py --cpu")
+
+
+def test_wrong_python(gpu_job, monkeypatch, tmp_path):
+    newer = (sys.version_info.major, sys.version_info.minor + 1)
+    monkeypatch.setattr(gpu_job, "MEGATRON_PYTHON", newer)
+    _one_line(gpu_job, ["--out", str(tmp_path)],
+              f"megatron-core 0.19 needs Python >= {newer[0]}.{newer[1]}, this is {sys.version.split()[0]}")
+
+
+def test_no_megatron_core(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_job, "import_megatron", lambda: ModuleNotFoundError("No module named 'megatron'"))
+    _one_line(gpu_job, ["--out", str(tmp_path)],
+              "megatron-core cannot be imported (ModuleNotFoundError: No module named 'megatron')")
+
+
+def test_no_kernels(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_job, "cuda_kernels_available", lambda device=None: False)
+    _one_line(gpu_job, ["--out", str(tmp_path)], "megatron_tma's CUDA kernels cannot run here")
+    # Megatron's own experts alone need no kernels
+    with pytest.raises(AssertionError, match="distributed set-up was reached"):
+        gpu_job.main(["--modes", "megatron", "--out", str(tmp_path)])
+
+
+def test_no_torchrun(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK")
+    _one_line(gpu_job, ["--out", str(tmp_path)], "the GPU job runs under torchrun")
+
+
+def test_matplotlib_missing(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    result = tmp_path / "r.json"
+    result.write_text("{}")
+    for argv in (["--plot", str(result), "--out", str(tmp_path)], ["--cpu", "--out", str(tmp_path)]):
+        _one_line(gpu_job, argv, "matplotlib is missing")
+
+
+def test_cpu_job_in_one_process(gpu_job, monkeypatch, tmp_path):
+    if not HAVE_MATPLOTLIB:
+        monkeypatch.setitem(sys.modules, "matplotlib", type(sys)("matplotlib"))  # past the plot's check
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    _one_line(gpu_job, ["--cpu", "--out", str(tmp_path)], "the CPU job runs in one process, this is one of 2")
+
+
+def test_no_gpu_in_a_real_process_is_one_line_on_stderr(tmp_path):
+    """Without the monkeypatches: the GPU job with no GPU visible (or, where the GPU shows, the first piece missing
+    on this machine) stops with one line and no traceback."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, RECIPE, "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("moe_gpt.py: no CUDA GPU is visible"), run.stderr
