@@ -37,7 +37,9 @@ cudaError_t ensure_smem_limit(Kernel kernel, size_t bytes) {
   static std::atomic<size_t> granted[kMaxDevices] = {};
   const int dev = current_device();
   if (dev < kMaxDevices && bytes <= granted[dev].load(std::memory_order_acquire)) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  // The runtime API form (what cuda_runtime.h's template overload calls), so that host-only tests can compile it.
+  const cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (err == cudaSuccess && dev < kMaxDevices) {
     size_t prev = granted[dev].load(std::memory_order_relaxed);
     while (prev < bytes && !granted[dev].compare_exchange_weak(prev, bytes, std::memory_order_release)) {
