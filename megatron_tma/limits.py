@@ -20,8 +20,7 @@ __all__ = [
 # m_grouped_fp8_gemm (forward and dgrad): MGroupedGemmConfig::kMaxGroups, csrc/include/megatron_tma/kernels/
 # m_grouped_fp8_gemm.cuh (the binding's m_grouped_fp8_gemm_max_groups()).
 M_GROUPED_MAX_GROUPS = 2048
-# k_grouped_fp8_gemm (wgrad): KGroupedGemmConfig::kMaxGroups, kernels/k_grouped_fp8_gemm.cuh (its aligned variant,
-# kernels/k_grouped_aligned_fp8_gemm.cuh, takes as many).
+# k_grouped_fp8_gemm (wgrad): KGroupedGemmConfig::kMaxGroups, kernels/k_grouped_fp8_gemm.cuh.
 K_GROUPED_MAX_GROUPS = 1024
 # quantize_grouped_128x1 and quantize_1x128_and_grouped_128x1: kQuantizeGroupedMaxGroups, host/quantize.h.
 QUANTIZE_GROUPED_MAX_GROUPS = 8192
