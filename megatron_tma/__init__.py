@@ -3,7 +3,8 @@
 Public API (all take device group sizes/offsets; none reads them on the host):
     quantize_1x128, quantize_128x128, quantize_grouped_128x1     (megatron_tma.quant)
     quantize_1x128_and_grouped_128x1                            (megatron_tma.quant, one read of x)
-    m_grouped_fp8_gemm, k_grouped_fp8_gemm, padded_m_grouped_fp8_gemm   (megatron_tma.gemm)
+    m_grouped_fp8_gemm, k_grouped_fp8_gemm                      (megatron_tma.gemm)
+    padded_m_grouped_fp8_gemm                                   (megatron_tma.padding: the padded baseline)
     m_grouped_tile                                              (megatron_tma.gemm, the tile a call would use)
     fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
     GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
@@ -22,10 +23,14 @@ def __getattr__(name):
         from . import quant
 
         return getattr(quant, name)
-    if name in ("m_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "m_grouped_tile"):
+    if name in ("m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "m_grouped_tile"):
         from . import gemm
 
         return getattr(gemm, name)
+    if name == "padded_m_grouped_fp8_gemm":
+        from . import padding
+
+        return padding.padded_m_grouped_fp8_gemm
     if name == "quantize_1x128_and_grouped_128x1":
         from . import quant
 

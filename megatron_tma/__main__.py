@@ -46,7 +46,8 @@ def _check(device: str) -> dict:
     """{name: (diff, tolerance, bits_equal or None)} for one small call of each quantizer and GEMM on `device`:
     the CUDA kernels on a GPU, the reference backend on the CPU."""
     from . import reference as R
-    from .gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm, padded_m_grouped_fp8_gemm
+    from .gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
+    from .padding import padded_m_grouped_fp8_gemm
     from .quant import quantize_1x128, quantize_128x128, quantize_grouped_128x1
 
     backend = "reference" if device == "cpu" else "cuda"

@@ -15,7 +15,7 @@ from ._validate import FP8, check_aligned16, check_same_device, check_tensor
 from .groups import check_wgrad_columns, debug_checks_enabled, normalize_groups
 from .limits import check_num_groups
 
-__all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "padded_m_grouped_fp8_gemm"]
+__all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm"]
 
 # On a Hopper device the wrappers call the C++ op before any Python check: the op's TORCH_CHECKs cover every
 # rule checked here, at a fraction of the host time, and only an input the op refuses goes through the Python
@@ -144,13 +144,6 @@ def m_grouped_tile(m_total: int, n: int, num_groups: int, block_n: int = 0, bloc
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         bm, bn = _ext.ops().m_grouped_fp8_gemm_tile(m_total, n, num_groups, block_n, block_m)
     return int(bm), int(bn)
-
-
-def padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=None, align: int = 128):
-    """The padded baseline and bit-exactness oracle: pad each group to `align` rows, same GEMM, un-pad."""
-    from .padding import padded_m_grouped_fp8_gemm as _padded
-
-    return _padded(a, a_scales, b, b_scales, groups, out=out, align=align)
 
 
 if _ext.has_extension():
