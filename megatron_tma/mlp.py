@@ -137,7 +137,8 @@ class _GroupedWeights(nn.Module):
     # tensors the parameters, with their device and dtype (a module built on the meta device comes off it); in the
     # stacked layout the G tensors become one `[G, N, K]` parameter: a view of their memory when they lie back to back
     # in one storage (a stacked module's state dict), else a stacked copy. With torch.__future__'s
-    # swap_module_params_on_conversion the parameters are swapped in place, as nn.Module does.
+    # swap_module_params_on_conversion the parameters are swapped in place, as nn.Module does. A `[G, N, K]` entry
+    # under `weight` (in place of the G expert entries) loads as those G entries.
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.weight_layout == "per_expert":
@@ -152,6 +153,13 @@ class _GroupedWeights(nn.Module):
             hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         keys = [f"{prefix}weight{i}" for i in range(self.num_groups)]
         shape = torch.Size((self.out_features, self.in_features))
+        stacked = state_dict.get(f"{prefix}weight")
+        if (torch.overrides.is_tensor_like(stacked) and stacked.shape == (self.num_groups, *shape)
+                and not any(k in state_dict for k in keys)):
+            # one [G, N, K] entry under the stacked parameter's own name (what Megatron's distributed checkpoint
+            # hands back, megatron_tma.mcore.experts): its G slices are the experts' entries
+            del state_dict[f"{prefix}weight"]
+            state_dict.update(zip(keys, stacked.unbind(0)))
         values, complete = [], True
         for key in keys:
             if key not in state_dict:

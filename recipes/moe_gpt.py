@@ -47,6 +47,13 @@ reference), torchrun; matplotlib for `--plot` and `--cpu`.
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
 backend (modes unpadded, padded16, padded128, bf16; a few minutes on 2 cores at its default size, any size option
 changes it), the same bit-for-bit checks, results and plot.
+Checkpoints (Megatron-LM's option names; megatron_tma.mcore.checkpoint): `--save DIR --save-interval N` writes a
+`torch_dist` checkpoint of each mode (every model chunk, the optimizer state -- the mixed-precision optimizer's, or
+the distributed optimizer's in `dp_reshardable` or, with `--dist-ckpt-optim-fully-reshardable`, `fully_reshardable`
+format --, each rank's RNG states and the run's records so far) to DIR/<mode>/iter_<step>; `--load DIR` resumes each
+mode from its newest one and trains on to `--steps`, and its result holds the whole run. A resumed run is the
+uninterrupted run, bit for bit (`--same-bits`; tests/test_mcore_gpu.py kills a run with `--kill-after-step` and
+resumes it).
 `--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
 must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full`, `--overlap-grad-reduce` or
 `--overlap-param-gather`).
@@ -68,6 +75,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -85,6 +93,7 @@ from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E
 from megatron_tma.mcore import experts as mcore_experts  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
     CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, megatron_experts)
+from megatron_tma.mcore import checkpoint  # noqa: E402
 
 
 def import_megatron():
@@ -180,6 +189,20 @@ def parse_args(argv=None):
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0; "
                         "that step's time then includes the profiler)")
+    ckpt = p.add_argument_group("checkpoints (Megatron-LM's option names; megatron_tma.mcore.checkpoint)")
+    ckpt.add_argument("--save", metavar="DIR",
+                      help="save a torch_dist checkpoint of each mode (model, optimizer state, RNG states, the run's "
+                           "records so far) into DIR/<mode>/iter_<step> every --save-interval steps")
+    ckpt.add_argument("--save-interval", type=int, default=None, metavar="STEPS")
+    ckpt.add_argument("--load", metavar="DIR",
+                      help="resume each mode from its newest checkpoint in DIR/<mode> (from scratch where it has "
+                           "none) and train on to --steps; the result holds the whole run, as if never interrupted")
+    ckpt.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                      help="the distributed optimizer's per-parameter checkpoint format ('fully_reshardable'; "
+                           "default 'dp_reshardable', as Megatron-LM)")
+    ckpt.add_argument("--kill-after-step", type=int, default=None, metavar="STEP",
+                      help="a test of resuming: every rank kills itself (SIGKILL: no clean-up, no result) right after "
+                           "this step and its checkpoint, if one is due")
     recompute = p.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, metavar="MODULE",
                            help="Megatron's selective recompute of these modules (recompute_modules): 'moe_act', the "
@@ -211,11 +234,18 @@ def parse_args(argv=None):
             ("--distributed-optimizer", args.distributed_optimizer),
             ("--overlap-param-gather", args.overlap_param_gather), ("--ddp-bucket-size", args.ddp_bucket_size),
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
-            ("--profile-step", args.profile_step is not None)) if asked]
+            ("--profile-step", args.profile_step is not None), ("--save", args.save is not None),
+            ("--load", args.load is not None), ("--kill-after-step", args.kill_after_step is not None)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
     if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
         p.error("--vpp needs --pp >= 2 and at least 1 chunk (Megatron interleaves the chunks of a pipeline)")
+    if (args.save is None) != (args.save_interval is None) or (args.save_interval is not None
+                                                                and args.save_interval < 1):
+        p.error("--save DIR and --save-interval STEPS (>= 1) go together")
+    if args.dist_ckpt_optim_fully_reshardable and not args.distributed_optimizer:
+        p.error("--dist-ckpt-optim-fully-reshardable is a format of the distributed optimizer's checkpoint: add "
+                "--distributed-optimizer")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     return args
@@ -422,12 +452,16 @@ def train(args, mode, rank, batches):
     torch.cuda.reset_peak_memory_stats()
     models, optimizer = build(args, mode)
     steps_counted = mcore_experts._optimizer_steps
-    init_digests = gathered(digests(canonical_weights(models)))
-    diffs = experts_against_megatron(models[0].module.module, args.seed) if mode == "megatron" else None
-    data = data_iterators(models, batches)
+    start, progress = resume(args, mode, models, optimizer)
+    if progress is None:
+        progress = {"losses": [], "grad_norms": [], "times": [],
+                    "init_digests": gathered(digests(canonical_weights(models))),
+                    "experts_diff_vs_megatron": (experts_against_megatron(models[0].module.module, args.seed)
+                                                 if mode == "megatron" else None)}
+    losses, grad_norms, times = progress["losses"], progress["grad_norms"], progress["times"]
+    data = data_iterators(models, batches[start * args.micro_batches:])
     fwd_bwd = get_forward_backward_func()
-    losses, grad_norms, times = [], [], []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         profiler = None
@@ -458,6 +492,15 @@ def train(args, mode, rank, batches):
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
+        if args.save and (step + 1) % args.save_interval == 0:
+            path = checkpoint.save_checkpoint(os.path.join(args.save, mode), step + 1, models, optimizer,
+                                              optim_format=optim_format(args), progress=progress)
+            if rank == 0:
+                print(f"[{mode:9s}] saved {path}", flush=True)
+        if args.kill_after_step == step + 1:
+            if rank == 0:
+                print(f"[{mode:9s}] killed after step {step} (--kill-after-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
     peak = torch.tensor(float(torch.cuda.max_memory_allocated() - mem0) / 2**20, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
@@ -466,12 +509,34 @@ def train(args, mode, rank, batches):
     found = sum(invalidate_fp8_weights(model) for model in models)
     eval_requantized = evaluate(args, models, batches) if found else eval_loss
     param_digests = gathered(digests(named_parameters(models)))
-    return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
-            "param_digests": param_digests, "experts_diff_vs_megatron": diffs, "peak_mb": float(peak),
+    return {**progress, "param_digests": param_digests, "peak_mb": float(peak), "resumed_from_step": start,
             "start_allocated_bytes": mem0,
             "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": not args.nondeterministic,
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
             "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted}
+
+
+def optim_format(args):
+    """The distributed optimizer's checkpoint format (ignored by the plain optimizer)."""
+    return "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+
+def resume(args, mode, models, optimizer):
+    """(first step, the run's records so far) from the mode's newest checkpoint under --load; (0, None) without one."""
+    if not args.load:
+        return 0, None
+    directory = os.path.join(args.load, mode)
+    if checkpoint.latest_iteration(directory) is None:
+        if dist.get_rank() == 0:
+            print(f"[{mode:9s}] no checkpoint in {directory}: training from scratch", flush=True)
+        return 0, None
+    step, progress = checkpoint.load_checkpoint(directory, models, optimizer)
+    if step > args.steps or len(progress["losses"]) != step:
+        raise SystemExit(f"moe_gpt.py: {directory} holds step {step} with {len(progress['losses'])} recorded steps; "
+                         f"this run trains {args.steps}")
+    if dist.get_rank() == 0:
+        print(f"[{mode:9s}] resumed from {checkpoint.checkpoint_dir(directory, step)}", flush=True)
+    return step, progress
 
 
 def release(start_bytes):
@@ -708,7 +773,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
                                                  "peak_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
-                                                 "optimizer_steps_counted")}
+                                                 "optimizer_steps_counted", "resumed_from_step")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)

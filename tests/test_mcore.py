@@ -398,11 +398,12 @@ def _weights(model):
 def _expert_shards(sharded_state_dict):
     """The experts' entries of a Megatron sharded state dict as {(key, global offset): (global shape, axis
     fragmentations, replica id, data)}, factories (SwiGLU's fc1) expanded into the shards they write."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     out = {}
     for v in sharded_state_dict.values():
-        shards = v.build() if isinstance(v, ShardedTensorFactory) else [v]
+        shards = nested_values(v.build()) if isinstance(v, ShardedTensorFactory) else [v]
         for sh in shards:
             if ".experts." not in sh.key:
                 continue
@@ -434,9 +435,13 @@ def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
         assert (shape_a, frag_a, rep_a) == (shape_b, frag_b, rep_b), k
         assert (data_a is None and data_b is None) or torch.equal(data_a, data_b), k
     sd = ours.sharded_state_dict()
-    assert {k for k in sd if ".experts." in k} == {f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.{what}{e}"
-                                                   for layer in range(2) for i in (1, 2) for e in range(4)
-                                                   for what in ("weight", "_extra_state")}
+    # one factory per weight parameter (Megatron's optimizers find a parameter's entry by its identity), whose data
+    # is the parameter; the linears' _extra_state objects per expert
+    assert {k for k in sd if ".experts." in k} == {
+        f"decoder.layers.{layer}.mlp.experts.linear_fc{i}.{what}"
+        for layer in range(2) for i in (1, 2) for what in ["weight"] + [f"_extra_state{e}" for e in range(4)]}
+    experts = ours.decoder.layers[0].mlp.experts
+    assert sd["decoder.layers.0.mlp.experts.linear_fc1.weight"].data is experts.linear_fc1.weight
 
 
 def test_expert_tensor_parallel_shards_compute_slices_of_the_whole_experts():
@@ -558,6 +563,117 @@ def test_distributed_checkpoint_save_and_load(megatron_cpu, tmp_path, monkeypatc
     theirs.load_state_dict(dist_checkpointing.load(theirs.sharded_state_dict(), str(tmp_path / "ours")))
     a, b = _weights(other), _weights(theirs)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _megatron_adam(model):
+    """Megatron's FP32Optimizer around torch's Adam over `model` (Megatron's Adam state initializer), built without
+    its one CUDA tensor (the loss scale, which its checkpoint does not hold), so that it runs on the CPU."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    def init_state_fn(opt, config=None):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    opt = FP32Optimizer.__new__(FP32Optimizer)
+    MegatronOptimizer.__init__(opt, torch.optim.Adam(model.parameters(), lr=1e-2), OptimizerConfig(lr=1e-2),
+                               init_state_fn)
+    opt.is_stub_optimizer = False
+    return opt
+
+
+def _adam_steps(model, opt, seed, steps=2):
+    """`steps` Adam steps on seeded random gradients (every parameter gets one, so every one has state)."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.optimizer.step()
+
+
+def _optimizer_states(model, opt):
+    """{(canonical parameter name, state key): tensor}: Megatron's per-expert names mapped to megatron_tma's keys, a
+    stacked parameter's states split per expert as its state dict splits it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, state in opt.optimizer.state.items():
+        name = names[id(p)]
+        for key, value in state.items():
+            per_expert = p.dim() == 3  # a stacked [G, N, K] weight: its states per expert (the step shared)
+            pieces = ({f"{name}{i}": (value if key == "step" else v) for i, v in enumerate(value.unbind(0) if
+                       key != "step" else [value] * p.shape[0])} if per_expert else {name: value})
+            for n, v in pieces.items():
+                out[(mcore.from_sequential_mlp_key(n) or n, key)] = v
+    return out
+
+
+def _save_with_optimizer(model, opt, path):
+    from megatron.core import dist_checkpointing
+
+    path.mkdir()
+    dist_checkpointing.save({"model": model.sharded_state_dict(),
+                             "optimizer": opt.sharded_state_dict(model.sharded_state_dict())}, str(path))
+
+
+def _load_with_optimizer(model, opt, path):
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(),
+                                      "optimizer": opt.sharded_state_dict(model.sharded_state_dict(), is_loading=True)},
+                                     str(path))
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+
+
+def _assert_same_training_state(a, opt_a, b, opt_b):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = _optimizer_states(a, opt_a), _optimizer_states(b, opt_b)
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    assert all(torch.equal(sa[k], sb[k]) for k in sa), [k for k in sa if not torch.equal(sa[k], sb[k])]
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_distributed_checkpoint_with_optimizer_state(megatron_cpu, tmp_path, monkeypatch, activation):
+    """Issue 26 item 2 on the CPU: Megatron's optimizer finds each parameter's checkpoint entry by the identity of the
+    parameter tensor. A `torch_dist` checkpoint of model + optimizer state (Adam's moments and step) saves and loads
+    back into a fresh model and optimizer with every weight and state equal, and both then take the same next step to
+    the same bits; it goes both ways between Megatron's experts (SequentialMLP) and megatron_tma's. (The experts'
+    per-expert views of the stacked weight in their sharded state dict made the optimizer's checkpoint fail: 'Param id
+    ... does not match any model sharded param'.)"""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+    def trained(mode, seed):
+        model = _small_gpt(mode, activation)
+        _randomize(model, seed)
+        opt = _megatron_adam(model)
+        _adam_steps(model, opt, seed)
+        return model, opt
+
+    ours, opt = trained("unpadded", 41)
+    _save_with_optimizer(ours, opt, tmp_path / "ours")
+    resumed, opt_resumed = trained("unpadded", 42)  # other weights and states, all overwritten by the load
+    _load_with_optimizer(resumed, opt_resumed, tmp_path / "ours")
+    _assert_same_training_state(ours, opt, resumed, opt_resumed)
+    _adam_steps(ours, opt, 7, steps=1)
+    _adam_steps(resumed, opt_resumed, 7, steps=1)
+    _assert_same_training_state(ours, opt, resumed, opt_resumed)
+
+    # Megatron's own experts' checkpoint (weights and Adam states) into megatron_tma's, and megatron_tma's back
+    theirs, opt_theirs = trained(None, 43)
+    _save_with_optimizer(theirs, opt_theirs, tmp_path / "megatron")
+    _load_with_optimizer(resumed, opt_resumed, tmp_path / "megatron")
+    _assert_same_training_state(theirs, opt_theirs, resumed, opt_resumed)
+    back, opt_back = trained(None, 44)
+    _save_with_optimizer(ours, opt, tmp_path / "ours-stepped")
+    _load_with_optimizer(back, opt_back, tmp_path / "ours-stepped")
+    _assert_same_training_state(ours, opt, back, opt_back)
 
 
 def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):

@@ -61,6 +61,39 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         assert run.returncode == 0 and run.stdout.count("the same bits") == 2, (name, run.stdout + run.stderr)
 
 
+def _same_bits(path_a, path_b, modes=2):
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", path_a, path_b]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("the same bits") == modes, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
+def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
+    """Issue 26 item 2: save during training, kill, resume: the resumed run equals the uninterrupted one bit for bit
+    (every step's loss and grad norm, every parameter at the end), for Megatron's mixed-precision optimizer and for
+    its distributed optimizer in both its formats (dp_reshardable, fully_reshardable). The run is killed (SIGKILL on
+    every rank) in the first mode after step 7: its checkpoint at step 6 counts, the second mode has none and trains
+    from scratch on resume (and still equals the first bit for bit)."""
+    opts = ("--distributed-optimizer",) if optimizer == "distributed" else ()
+    common = ("--steps", "10", "--modes", "unpadded", "padded16", *opts)
+    whole, _ = _recipe(tmp_path / "whole", *common)
+    formats = [(), ("--dist-ckpt-optim-fully-reshardable",)] if optimizer == "distributed" else [()]
+    for fmt in formats:
+        ckpt = tmp_path / f"ckpt{len(fmt)}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+               os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path / "killed"), *common, *fmt,
+               "--save", str(ckpt), "--save-interval", "3", "--kill-after-step", "7"]
+        killed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert killed.returncode != 0 and "killed after step 6" in killed.stdout, killed.stdout[-3000:]
+        assert not glob.glob(str(tmp_path / "killed" / "moe_gpt-*.json"))  # it died before writing a result
+        assert (ckpt / "unpadded" / "latest_checkpointed_iteration.txt").read_text() == "6"
+        assert not (ckpt / "padded16").exists()
+        resumed, result = _recipe(tmp_path / f"resumed{len(fmt)}", *common, *fmt, "--load", str(ckpt))
+        assert result["records"]["unpadded"]["resumed_from_step"] == 6
+        assert result["records"]["padded16"]["resumed_from_step"] == 0
+        _same_bits(whole, resumed)
+
+
 def _check_parallel_run(summary):
     """The checks of a parallel recipe run of modes unpadded, padded16 and megatron: the same initial weights in
     every mode, unpadded == padded16 bit for bit, megatron_tma's experts computing Megatron's experts' function, and

@@ -178,3 +178,29 @@ def test_megatron_is_imported_for_the_gpu_job_only(recipe):
                  "get_cuda_rng_tracker", "get_expert_parallel_rng_tracker_name", "model_parallel_cuda_manual_seed",
                  "Float16Module", "TransformerConfig", "layer_spec_from_config"):
         assert callable(getattr(recipe, name)), name
+
+
+def test_checkpoint_options_are_megatron_lms(recipe):
+    """--save / --save-interval / --load / --dist-ckpt-optim-fully-reshardable as Megatron-LM names them, refused
+    where they would do nothing (and in the CPU job, which has no Megatron checkpoint)."""
+    args = recipe.parse_args(["--save", "d", "--save-interval", "5", "--distributed-optimizer",
+                              "--dist-ckpt-optim-fully-reshardable"])
+    assert (args.save, args.save_interval, recipe.optim_format(args)) == ("d", 5, "fully_reshardable")
+    assert recipe.optim_format(recipe.parse_args([])) == "dp_reshardable"
+    for bad in (["--save", "d"], ["--save-interval", "5"], ["--save", "d", "--save-interval", "0"],
+                ["--dist-ckpt-optim-fully-reshardable"], ["--cpu", "--save", "d", "--save-interval", "5"],
+                ["--cpu", "--load", "d"], ["--cpu", "--kill-after-step", "3"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(bad)
+
+
+def test_checkpoint_tracker_names_the_newest_complete_checkpoint(tmp_path):
+    from megatron_tma.mcore import checkpoint
+
+    assert checkpoint.latest_iteration(str(tmp_path)) is None  # nothing saved: train from scratch
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("12")
+    assert checkpoint.latest_iteration(str(tmp_path)) == 12
+    assert checkpoint.checkpoint_dir(str(tmp_path), 12) == str(tmp_path / "iter_0000012")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    with pytest.raises(ValueError, match="not an iteration number"):
+        checkpoint.latest_iteration(str(tmp_path))

@@ -52,6 +52,7 @@ clamped or offset GLUs, a deferred weight gradient (`delay_wgrad_compute`,
 Megatron is imported only to initialize the weights under its RNG tracker (`config.perform_initialization`), so the
 module itself runs, and is tested, without it.
 """
+import functools
 import warnings
 from typing import Optional
 
@@ -132,43 +133,87 @@ class _MegatronExperts:
         """Megatron's distributed checkpoint of the experts, laid out as Megatron's own experts lay theirs out
         (`SequentialMLP`; `TEGroupedMLP` matches it, says its docstring, not checked here): per local expert, its
         fc1 / fc2 weight as a shard of `<prefix>experts.linear_fc{1,2}.weight` along a global expert axis (SwiGLU's
-        fc1 split into its gate and up halves by Megatron's own factory), replicated over the expert-data-parallel
-        group, and each linear's `_extra_state` object (None) that Megatron's experts read back. The dictionary keys
-        are this module's state-dict keys (`linear_fc{1,2}.weight{i}`, and `linear_fc{1,2}._extra_state{i}`, which a
-        load pre-hook drops), so a loaded checkpoint goes back through `load_state_dict`."""
-        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        fc1 split into its gate and up halves as Megatron's factory splits it), replicated over the
+        expert-data-parallel group, and each linear's `_extra_state` object (None) that Megatron's experts read back.
+
+        Each weight parameter is one `ShardedTensorFactory` whose `data` is the parameter itself: Megatron's
+        optimizers find a parameter's checkpoint entry by the identity of that tensor (`get_param_id_to_sharded_
+        param_map`, the distributed optimizer's `param_to_sharded_metadata`), and then build the optimizer state's
+        entries (FP32 master weights, Adam's moments) with the same factory from a tensor of the parameter's shape.
+        So a stacked `[G, N, K]` parameter writes G per-expert shards for the weights and for each optimizer state,
+        and loads back as one `[G, N, K]` tensor under its own key (`linear_fc{1,2}.weight`; `_GroupedWeights`
+        loads it). Views of the parameter in its place would leave the optimizer's states without an entry."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         singleton = metadata.get("singleton_local_shards", False)
         ep, expt_dp, expt_tp = self._expert_groups()
         num_global, first = ep.size() * self.num_experts, ep.rank() * self.num_experts
-        fc1, fc2 = self.linear_fc1.expert_weights(), self.linear_fc2.expert_weights()
+
+        def offsets_of(i):  # expert i's offsets: a shard of the global expert axis (none for singleton shards)
+            return sharded_offsets if singleton else (*sharded_offsets, (len(sharded_offsets), first + i, num_global))
+
+        offsets_of.first = first
+
         out = {}
-        for i in range(self.num_experts):
-            g = first + i
-            if singleton:
-                sharded_prefix, offsets = f"{prefix}experts.{g}.", sharded_offsets
-            else:
-                sharded_prefix, offsets = f"{prefix}experts.", (*sharded_offsets, (len(sharded_offsets), g, num_global))
-            local = f"{prefix}local_experts.{i}."  # SequentialMLP's module path, renamed below as it renames it
-            for name, weight, tp_axis in (("linear_fc1", fc1[i], 0), ("linear_fc2", fc2[i], 1)):
-                key = f"{local}{name}.weight"
-                # A Megatron linear's state: its weight and an `_extra_state` (None for its local linears), which
-                # Megatron's experts expect to find in a checkpoint.
-                sub = make_sharded_tensors_for_checkpoint({"weight": weight, "_extra_state": None}, f"{local}{name}.",
-                                                          {"weight": tp_axis}, offsets, tp_group=expt_tp,
-                                                          dp_cp_group=metadata["dp_cp_group"])
-                if name == "linear_fc1" and self.activation in GATED:
-                    sub[key] = apply_swiglu_sharded_factory(sub[key], offsets, singleton, tp_group=expt_tp,
-                                                            dp_group=metadata["dp_cp_group"])
-                replace_prefix_for_sharding(sub, local, sharded_prefix)
-                for k, sharded in sub.items():
-                    sharded.replica_id = (*sharded.replica_id[:2], expt_dp.rank())  # replicated over expert DP
-                    suffix = "weight" if k == key else _EXTRA_STATE
-                    out[f"{prefix}{name}.{suffix}{i}"] = sharded
+        for name, linear in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
+            for i in range(self.num_experts):
+                # A Megatron linear's `_extra_state` (None for its local linears), which its experts expect to find
+                sharded_prefix = f"{prefix}experts.{first + i}." if singleton else f"{prefix}experts."
+                extra = make_sharded_tensors_for_checkpoint({_EXTRA_STATE: None}, sharded_prefix + f"{name}.", {},
+                                                            offsets_of(i), tp_group=expt_tp,
+                                                            dp_cp_group=metadata["dp_cp_group"])[
+                    f"{sharded_prefix}{name}.{_EXTRA_STATE}"]
+                extra.replica_id = (*extra.replica_id[:2], expt_dp.rank())  # replicated over expert DP
+                out[f"{prefix}{name}.{_EXTRA_STATE}{i}"] = extra
+            for param_name, param in linear.named_parameters(recurse=False):
+                experts = range(self.num_experts) if param.dim() == 3 else [int(param_name[len("weight"):])]
+                out[f"{prefix}{name}.{param_name}"] = ShardedTensorFactory(
+                    f"{prefix}experts.{name}.weight", param,
+                    self._expert_shards_fn(name, experts, offsets_of, metadata, singleton),
+                    functools.partial(_merge_expert_shards, stacked=param.dim() == 3),
+                    replica_id=(0, 0, expt_dp.rank()))
         return out
+
+    def _expert_shards_fn(self, name, experts, offsets_of, metadata, singleton):
+        """The factory's build function: the per-expert shards of a tensor shaped like the weight parameter (the
+        weight itself, or an optimizer state of it) under the factory's key as it is then (Megatron renames it after
+        this module built it: the layer number becomes an axis, the optimizer prefixes its state's name)."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        _, _, expt_tp = self._expert_groups()
+        gated, tp_axis = name == "linear_fc1" and self.activation in GATED, 0 if name == "linear_fc1" else 1
+        tail = f"experts.{name}.weight"
+
+        @torch.no_grad()
+        def build(key, t, replica_id, flattened_range):
+            if flattened_range is not None:  # the distributed optimizer's deprecated fully_sharded_model_space
+                raise NotImplementedError(
+                    f"{key}: flattened optimizer-state shards (the distributed optimizer's 'fully_sharded_model_space' "
+                    "format) are not supported by megatron-core's ShardedTensor either; save with 'dp_reshardable' or "
+                    "'fully_reshardable'")
+            if not key.endswith(tail):
+                raise ValueError(f"expected a key ending in {tail!r}, got {key!r}")
+            head = key[: len(key) - len(tail)]
+            shards = []
+            for i, w in zip(experts, t.unbind(0) if t.dim() == 3 else [t]):
+                offsets = offsets_of(i)
+                sharded_prefix = f"{head}experts.{offsets_of.first + i}." if singleton else f"{head}experts."
+                sh = make_sharded_tensors_for_checkpoint({"weight": w}, f"{sharded_prefix}{name}.", {"weight": tp_axis},
+                                                         offsets, tp_group=expt_tp,
+                                                         dp_cp_group=metadata["dp_cp_group"])[
+                    f"{sharded_prefix}{name}.weight"]
+                if gated:  # Megatron's SwiGLU factory: the gate and up halves as two shards
+                    sh = apply_swiglu_sharded_factory(sh, offsets, singleton, tp_group=expt_tp,
+                                                      dp_group=metadata["dp_cp_group"]).build()
+                for piece in sh if gated else [sh]:
+                    piece.replica_id = replica_id
+                shards.append(sh)
+            return shards
+
+        return build
 
     def _drop_extra_states(self, state_dict, prefix, *args):
         """A load pre-hook: the `_extra_state{i}` entries a distributed checkpoint hands back (None, Megatron's
@@ -180,6 +225,13 @@ class _MegatronExperts:
 
 _optimizer_steps = 0  # optimizer steps taken in this process (any torch.optim.Optimizer), see _watch_optimizer_steps
 _optimizer_hook = None
+
+
+def _merge_expert_shards(loaded, stacked: bool):
+    """The factory's merge function: the loaded per-expert tensors (SwiGLU's fc1 as its two halves) back into one
+    tensor shaped like the parameter (`[G, N, K]`, or `[N, K]` for one expert's parameter)."""
+    experts = [torch.cat(e) if isinstance(e, list) else e for e in loaded]
+    return torch.stack(experts) if stacked else experts[0]
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:

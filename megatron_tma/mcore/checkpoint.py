@@ -1,0 +1,123 @@
+"""Save and resume a Megatron-core training run: model chunks, optimizer state, RNG states and the caller's progress,
+in Megatron's distributed checkpoint format (`torch_dist`), laid out as Megatron-LM lays its checkpoints out
+(`<dir>/iter_<7 digits>/`, `<dir>/latest_checkpointed_iteration.txt`).
+
+For runs built from megatron-core without Megatron-LM's `training` loop (recipes/moe_gpt.py); Megatron-LM's own
+`--save` / `--load` write the same entries, through the same `sharded_state_dict` methods. What is saved:
+* every model chunk's `sharded_state_dict()` (`model`, or `model0`, `model1`, ... with virtual pipeline stages);
+  megatron_tma's experts write the entries Megatron's own experts write (megatron_tma.mcore.experts), so a
+  checkpoint of either loads into the other;
+* the optimizer's `sharded_state_dict(...)`: Megatron's mixed-precision optimizer (FP32 master weights, Adam's
+  moments, the step), or its distributed optimizer in `optim_format` `"dp_reshardable"` (Megatron-LM's default: the
+  optimizer's own buffers, reshardable along data parallelism only) or `"fully_reshardable"` (Megatron-LM's
+  `--dist-ckpt-optim-fully-reshardable`: per-parameter states). The deprecated `fully_sharded_model_space` writes
+  flattened shards, which megatron-core 0.19's ShardedTensor refuses for every model;
+* each rank's RNG states (Python, torch CPU and CUDA, Megatron's CUDA RNG tracker), one object per global rank;
+* `progress`: any picklable object the caller keeps with the checkpoint (the same on every rank; rank 0's is saved).
+A checkpoint counts once `latest_checkpointed_iteration.txt` names it, which rank 0 writes after every rank finished
+its part: a run killed while saving resumes from the checkpoint before."""
+import os
+import random
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "save_checkpoint",
+           "load_checkpoint"]
+
+OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's formats megatron-core 0.19 saves
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
+
+
+def checkpoint_dir(directory: str, iteration: int) -> str:
+    return os.path.join(directory, f"iter_{iteration:07d}")
+
+
+def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration of the newest complete checkpoint in `directory`, or None if there is none."""
+    try:
+        with open(os.path.join(directory, TRACKER_FILE)) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{os.path.join(directory, TRACKER_FILE)} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _model_keys(models) -> List[str]:
+    return ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+
+
+def _unwrapped(model):
+    """The module under Megatron's wrappers (DDP, Float16Module): what owns `sharded_state_dict`."""
+    while type(model).__name__ in ("DistributedDataParallel", "Float16Module"):
+        model = model.module
+    return model
+
+
+def _state(models, optimizer, optim_format: str, progress, *, loading: bool):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if optim_format not in OPTIM_FORMATS:
+        raise ValueError(f"optim_format must be one of {OPTIM_FORMATS}, got {optim_format!r}")
+    state = {key: _unwrapped(m).sharded_state_dict() for key, m in zip(_model_keys(models), models)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading,
+                                                      metadata={"distrib_optim_sharding_type": optim_format})
+    rng = None if loading else {"python": random.getstate(), "torch": torch.get_rng_state(),
+                                "cuda": torch.cuda.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+    state["progress"] = progress
+    state["optim_format"] = optim_format
+    return state
+
+
+def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_format: str = "dp_reshardable",
+                    progress: Any = None) -> str:
+    """Save the run at `iteration` into `directory`/iter_<iteration> on every rank (a collective); returns that
+    path. The tracker file names it only after every rank has written its part."""
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_dir(directory, iteration)
+    if dist.get_rank() == 0:
+        if os.path.exists(path) and os.listdir(path):
+            raise FileExistsError(f"{path} exists and is not empty; a checkpoint is never written over another")
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_state(models, optimizer, optim_format, progress, loading=False), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(directory, TRACKER_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(directory, TRACKER_FILE))  # atomic: never a half-written tracker
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[int] = None) -> Tuple[int, Any]:
+    """Load the newest complete checkpoint in `directory` (or `iteration`'s) into the built models and optimizer and
+    restore this rank's RNG states; returns (iteration, the progress object saved with it). Loads what the
+    checkpoint holds: the distributed optimizer's format is read from it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    if iteration is None:
+        iteration = latest_iteration(directory)
+        if iteration is None:
+            raise FileNotFoundError(f"no checkpoint in {directory} (no {TRACKER_FILE})")
+    path = checkpoint_dir(directory, iteration)
+    common = dist_checkpointing.load_common_state_dict(path)
+    state = dist_checkpointing.load(_state(models, optimizer, common["optim_format"], None, loading=True), path)
+    for key, model in zip(_model_keys(models), models):
+        _unwrapped(model).load_state_dict(state[key], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    rng = state["rng_state"]
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+    return iteration, state["progress"]
