@@ -21,16 +21,22 @@ what was allocated before it (weights and inputs exist, gradients and FP8 weight
 itself needs. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
 behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as
 `te_fp8_ms_reported` / `te_bf16_ms_reported`: they were not measured by this script.
+Every method's step is also captured whole in a CUDA graph and timed replayed (`<method>_graph_ms`; the layer is
+sync-free, so forward + backward capture; with re-quantized weights the graph contains the weight quantization),
+which takes the host out of the step: `<method>_host_ms` is the host time to enqueue one eager step. `graph_bitexact`:
+our graphed step gives the eager step's bits and the graphed padded twin's.
 Writes benchmarks/results/mlp_layer-<stamp>.json and a PNG; the table prints last.
 
-    python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--weight-layout per_expert] [--iters N]
-                                         [--out DIR]
+    python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--weight-layout per_expert] [--no-graphs]
+                                         [--iters N] [--out DIR]
 """
 import argparse
 import gc
 import math
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -107,6 +113,49 @@ class Step:
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+class GraphStep:
+    """The same training step captured once in a CUDA graph and replayed: what a step costs without the host (the
+    layer is sync-free, so the whole forward + backward captures; the group sizes are read on the device, so a
+    replay with new sizes in the same buffers is right: tests/test_mlp_gpu.py). With re-quantized weights the
+    capture includes the weight quantization (the cache is emptied before it), so every replay re-quantizes; with
+    cached weights the graph reads the copies the warm-up made. The gradients are the graph's own buffers."""
+
+    def __init__(self, step: Step, warmup: int = 2):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # autograd and the libraries warm up off the capture stream
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        step.reset()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out, _ = step.module(step.x, step.sizes, step.probs)
+            out.backward(step.dy)
+        self.outputs = [out.detach(), step.x.grad, step.probs.grad] + [w.grad for w in step.module.parameters()]
+        self.module = step.module
+
+    def __call__(self):
+        self.graph.replay()
+
+    def results(self):
+        self()
+        return self.outputs
+
+
+def host_ms(fn, calls: int = 5) -> float:
+    """Median host time to enqueue one step (the call returns before the GPU finishes: nothing in it syncs), each
+    call made with the GPU idle, so that a full launch queue does not stall it."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def layer_inputs(model, G, M, dist, seed, dev=DEV):
     """(H, F, sizes [G] on the host, x, probs, dy) of one layer row, drawn from `seed` (x and probs are leaves that
     want gradients); also seeds torch's generator for the modules the caller builds next, so every script that
@@ -121,7 +170,7 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
     return H, F, sizes, x, probs, dy
 
 
-def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked"):
+def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
     ours = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
@@ -148,9 +197,36 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
         row[f"{name}_tflops"] = round(flops / times[name] / 1e9, 1)
         row[f"{name}_peak_mb"] = round(steps[name].peak_mb(), 1)
 
+    for name in METHODS:
+        if f"{name}_ms" in row:
+            row[f"{name}_host_ms"] = round(host_ms(steps[name]), 4)
+
     a = [t.clone() for t in steps["ours"].results()]
     b = steps["padded_path"].results()
     row["bitexact"] = all(torch.equal(u, v) for u, v in zip(a, b))
+    if graphs:  # the same steps replayed from CUDA graphs: no host time; same bits as eager
+        graphed = {}
+        for name in METHODS:
+            if f"{name}_ms" in row:
+                try:
+                    graphed[name] = GraphStep(steps[name])
+                except Exception as e:  # noqa: BLE001 - recorded, as a method that cannot run
+                    row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        for name, ms in common.bench_blocks(graphed, iters=iters).items():
+            if isinstance(ms, str):
+                row[f"{name}_graph_error"] = ms
+                continue
+            row[f"{name}_graph_ms"] = round(ms, 4)
+            row[f"{name}_graph_host_ms"] = round(host_ms(graphed[name]), 4)
+        if "ours" in graphed and "padded_path" in graphed:
+            eager = steps["ours"].results()  # the eager step again, after the captures (their inputs unchanged)
+            row["graph_bitexact"] = all(torch.equal(u, v) for u, v in zip(graphed["ours"].results(), eager)) and all(
+                torch.equal(u, v) for u, v in zip(graphed["ours"].results(), graphed["padded_path"].results()))
+        if "ours_graph_ms" in row and "bf16_graph_ms" in row:
+            row["graph_speedup_vs_bf16"] = round(row["bf16_graph_ms"] / row["ours_graph_ms"], 4)
+        if "ours_graph_ms" in row and "padded_path_graph_ms" in row:
+            row["graph_speedup_vs_padded_path"] = round(row["padded_path_graph_ms"] / row["ours_graph_ms"], 4)
+        del graphed
     if "bf16_ms" in row:
         row["max_diff_vs_bf16"] = max(reference.diff(u, v) for u, v in zip(a, steps["bf16"].results())
                                       if v.abs().sum() > 0)
@@ -185,6 +261,9 @@ def summarize(rows):
         "peak_mb_below_padded_where_padding_adds_rows": all(
             r["ours_peak_mb"] < r["padded_path_peak_mb"] for r in mem_rows if r["pad_rows_pct"] > 0),
         "all_bitexact": all(r["bitexact"] for r in rows),
+        # CUDA-graphed steps (no host time): ours vs the BF16 layer, graphed too, at M = 32768
+        "graph_geomean_vs_bf16_m32768": geomean([r.get("graph_speedup_vs_bf16") for r in rows if r["M"] == 32768]),
+        "graph_all_bitexact": all(r.get("graph_bitexact", True) for r in rows),
     }
 
 
@@ -197,6 +276,9 @@ def main():
                     help="the parameter layout of all three modules: one [G, N, K] weight per linear (default) or "
                          "G [N, K] ones (Transformer Engine's GroupedLinear names; ~6 us more host time per expert "
                          "weight per step)")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="time the eager steps only (by default each method's step is also captured in a CUDA graph "
+                         "and timed replayed: `<method>_graph_ms`; graphs hold their own gradient buffers)")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
@@ -206,15 +288,18 @@ def main():
     todo = configs(args.quick)
     for i, (model, G, M, dist) in enumerate(todo):
         row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
-                         weight_layout=args.weight_layout)
+                         weight_layout=args.weight_layout, graphs=not args.no_graphs)
         rows.append(row)
         print(f"[{i + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
-              f"bitexact={row['bitexact']}", flush=True)
+              f"bitexact={row['bitexact']}; host {row.get('ours_host_ms')} ms; graphed: ours {row.get('ours_graph_ms')} "
+              f"ms, x{row.get('graph_speedup_vs_bf16')} vs bf16 graphed, bitexact={row.get('graph_bitexact')}",
+              flush=True)
     summary = summarize(rows)
     command = "python benchmarks/bench_mlp_layer.py" + (" --quick" if args.quick else "") + (
         " --cached-weights" if args.cached_weights else "") + (
-        f" --weight-layout {args.weight_layout}" if args.weight_layout != "stacked" else "")
+        f" --weight-layout {args.weight_layout}" if args.weight_layout != "stacked" else "") + (
+        " --no-graphs" if args.no_graphs else "")
     path = common.write_result("mlp_layer", rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
         "weight_layout": args.weight_layout,
@@ -273,6 +358,18 @@ def print_table(rows, summary):
         for name in METHODS:
             if f"{name}_error" in r:
                 print(f"    {name}: {r[name + '_error']}")
+    print("\nThe same steps replayed from CUDA graphs (ms), and the host time to enqueue an eager step (ms)")
+    print(f"{'model':>14} {'G':>3} {'M':>6} {'dist':>6} {'ours':>8} {'padded':>8} {'bf16':>8} {'xpad':>6} {'xbf16':>6} "
+          f"{'host_ours':>9} {'host_pad':>9} {'host_bf16':>9} exact")
+    for r in rows:
+        print(f"{r['model']:>14} {r['G']:>3} {r['M']:>6} {r['dist']:>6} {r.get('ours_graph_ms', nan):8.3f} "
+              f"{r.get('padded_path_graph_ms', nan):8.3f} {r.get('bf16_graph_ms', nan):8.3f} "
+              f"{r.get('graph_speedup_vs_padded_path', nan):6.3f} {r.get('graph_speedup_vs_bf16', nan):6.3f} "
+              f"{r.get('ours_host_ms', nan):9.3f} {r.get('padded_path_host_ms', nan):9.3f} "
+              f"{r.get('bf16_host_ms', nan):9.3f} {r.get('graph_bitexact')}")
+        for name in METHODS:
+            if f"{name}_graph_error" in r:
+                print(f"    {name} graphed: {r[name + '_graph_error']}")
     print("summary:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
 
 
