@@ -676,6 +676,41 @@ def test_distributed_checkpoint_with_optimizer_state(megatron_cpu, tmp_path, mon
     _assert_same_training_state(ours, opt, back, opt_back)
 
 
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
+    """megatron_tma.mcore.checkpoint (the recipe's --save / --load) on the CPU: a run's model, optimizer state, RNG
+    states and progress saved at an iteration and loaded into a fresh model and optimizer; the tracker file names
+    the newest complete checkpoint; a checkpoint is never written over."""
+    from megatron_tma.mcore import checkpoint
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    model = _small_gpt("unpadded")
+    _randomize(model, 51)
+    opt = _megatron_adam(model)
+    _adam_steps(model, opt, 51)
+    progress = {"losses": [3.5, 3.25], "note": "two steps"}
+    torch.manual_seed(5)
+    path = checkpoint.save_checkpoint(str(tmp_path), 2, [model], opt, progress=progress)
+    assert path == str(tmp_path / "iter_0000002") and checkpoint.latest_iteration(str(tmp_path)) == 2
+    expected_draw = torch.rand(4)  # what the run draws next
+    with pytest.raises(FileExistsError):
+        checkpoint.save_checkpoint(str(tmp_path), 2, [model], opt)
+
+    resumed = _small_gpt("unpadded")
+    _randomize(resumed, 52)
+    opt_resumed = _megatron_adam(resumed)
+    _adam_steps(resumed, opt_resumed, 52)
+    torch.manual_seed(6)
+    iteration, loaded = checkpoint.load_checkpoint(str(tmp_path), [resumed], opt_resumed)
+    assert (iteration, loaded) == (2, progress)
+    assert torch.equal(torch.rand(4), expected_draw)  # the RNG state came back
+    _assert_same_training_state(model, opt, resumed, opt_resumed)
+    with pytest.raises(ValueError, match="optim_format"):
+        checkpoint.save_checkpoint(str(tmp_path), 3, [model], opt, optim_format="fully_sharded_model_space")
+
+
 def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
     # On the H200 a recipe ran ~10x slow on the reference backend for a build that had silently skipped the extension
     from megatron_tma import _ext

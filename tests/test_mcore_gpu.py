@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,8 +88,24 @@ def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path / "killed"), *common,
            "--save", str(ckpt), "--save-interval", "3", "--kill-after-step", "7"]
-    killed = _run(cmd)
-    assert killed.returncode != 0 and "killed after step 6" in killed.stdout, killed.stdout[-3000:] + killed.stderr[-3000:]
+    # Output to files, not pipes, in a session of its own: Megatron's checkpoint writer starts a multiprocessing
+    # Manager (a spawned server process), which outlives a killed rank and would hold a pipe open forever; the
+    # session's leftovers are killed once torchrun has returned.
+    t0 = time.perf_counter()
+    with open(tmp_path / "killed.out", "w+") as out, open(tmp_path / "killed.err", "w+") as err:
+        killed = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True)
+        try:
+            rc = killed.wait(timeout=600)
+        finally:
+            try:
+                os.killpg(killed.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    print(f"\n[{time.perf_counter() - t0:.1f} s] killed run, rc {rc}", flush=True)
+    assert rc != 0 and "killed after step 6" in stdout, stdout[-3000:] + stderr[-3000:]
     assert not glob.glob(str(tmp_path / "killed" / "moe_gpt-*.json"))  # it died before writing a result
     assert (ckpt / "unpadded" / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert not (ckpt / "padded16").exists()

@@ -67,7 +67,8 @@ def _state(models, optimizer, optim_format: str, progress, *, loading: bool):
     state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading,
                                                       metadata={"distrib_optim_sharding_type": optim_format})
     rng = None if loading else {"python": random.getstate(), "torch": torch.get_rng_state(),
-                                "cuda": torch.cuda.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+                                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                                "tracker": get_cuda_rng_tracker().get_states()}
     rank, world = dist.get_rank(), dist.get_world_size()
     state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
     state["progress"] = progress
@@ -118,6 +119,7 @@ def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[in
     rng = state["rng_state"]
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
-    torch.cuda.set_rng_state(rng["cuda"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
     return iteration, state["progress"]
