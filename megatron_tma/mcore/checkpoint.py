@@ -76,6 +76,24 @@ def _state(models, optimizer, optim_format: str, progress, *, loading: bool):
     return state
 
 
+def _give_fresh_states_a_step(optimizer) -> None:
+    """Make a never-stepped distributed optimizer loadable. megatron-core 0.19's `DistributedOptimizer.state_dict()`,
+    which its `sharded_state_dict(..., is_loading=True)` calls first, asserts that every torch optimizer state has a
+    `step` when neither Apex nor Transformer Engine is installed; a freshly built optimizer has no state at all. So
+    its states are initialized (Megatron's own `init_state_fn`: zero moments) with torch Adam's initial step, 0; the
+    load then replaces every one of them with the checkpoint's."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
+        if type(opt).__name__ != "DistributedOptimizer" or inner is None or init is None:
+            continue
+        init(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if state and "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
 def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_format: str = "dp_reshardable",
                     progress: Any = None) -> str:
     """Save the run at `iteration` into `directory`/iter_<iteration> on every rank (a collective); returns that
@@ -112,6 +130,7 @@ def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[in
             raise FileNotFoundError(f"no checkpoint in {directory} (no {TRACKER_FILE})")
     path = checkpoint_dir(directory, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
+    _give_fresh_states_a_step(optimizer)
     state = dist_checkpointing.load(_state(models, optimizer, common["optim_format"], None, loading=True), path)
     for key, model in zip(_model_keys(models), models):
         _unwrapped(model).load_state_dict(state[key], strict=True)
