@@ -16,6 +16,7 @@ For runs built from megatron-core without Megatron-LM's `training` loop (recipes
 * `progress`: any picklable object the caller keeps with the checkpoint (the same on every rank; rank 0's is saved).
 A checkpoint counts once `latest_checkpointed_iteration.txt` names it, which rank 0 writes after every rank finished
 its part: a run killed while saving resumes from the checkpoint before."""
+import contextlib
 import os
 import random
 from typing import Any, List, Optional, Tuple
@@ -82,9 +83,9 @@ def _give_fresh_states_a_step(optimizer) -> None:
     `step` when neither Apex nor Transformer Engine is installed; a freshly built optimizer has no state at all. So
     its states are initialized (Megatron's own `init_state_fn`: zero moments) with torch Adam's initial step, 0; the
     load then replaces every one of them with the checkpoint's."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner, init = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
-        if type(opt).__name__ != "DistributedOptimizer" or inner is None or init is None:
+    for opt in _distributed_optimizers(optimizer):
+        inner, init = opt.optimizer, getattr(opt, "init_state_fn", None)
+        if init is None:
             continue
         init(inner, getattr(opt, "config", None))
         for group in inner.param_groups:
@@ -92,6 +93,44 @@ def _give_fresh_states_a_step(optimizer) -> None:
                 state = inner.state[p]
                 if state and "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def _distributed_optimizers(optimizer):
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if type(opt).__name__ == "DistributedOptimizer" and getattr(opt, "optimizer", None) is not None]
+
+
+@contextlib.contextmanager
+def _torch_adam_steps_survive_the_load(optimizer):
+    """Two defects of megatron-core 0.19's `DistributedOptimizer.load_state_dict` with torch's own Adam (no Apex or
+    Transformer Engine), which keeps its step as a tensor in every parameter's state; both break a resume:
+    * it gives every state the same step tensor, and torch's Adam adds 1 to each parameter's step in place, so after
+      one more step the count is off by the number of parameters (bias corrections wrong: a run resumed with the
+      `dp_reshardable` format parted from the uninterrupted one at its first step). Each state gets its own copy;
+    * the `fully_reshardable` loader copies every tensor of a state from the checkpoint's entries, which hold no
+      `step` (KeyError). Its per-parameter setter is given the state's own step for that entry while loading."""
+    patched = []
+    for opt in _distributed_optimizers(optimizer):
+        setter = opt._set_main_param_and_optimizer_states
+
+        def with_step(model_param, tensors, opt=opt, setter=setter):
+            group, order = opt.model_param_group_index_map[model_param]
+            step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
+            if isinstance(step, torch.Tensor) and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            return setter(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = with_step
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
+    for opt in patched:
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_format: str = "dp_reshardable",
@@ -134,7 +173,8 @@ def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[in
     state = dist_checkpointing.load(_state(models, optimizer, common["optim_format"], None, loading=True), path)
     for key, model in zip(_model_keys(models), models):
         _unwrapped(model).load_state_dict(state[key], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
+    with _torch_adam_steps_survive_the_load(optimizer):
+        optimizer.load_state_dict(state["optimizer"])
     rng = state["rng_state"]
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
