@@ -790,3 +790,43 @@ def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():
     qt_bytes = sum(w.numel() for w in experts.parameters())  # one FP8 byte per weight for each W^T copy
     assert grown < qt_bytes / 2, (grown, qt_bytes)  # two forwards' activations (~1 MB), no 12.6 MB copies
     sum(o.float().sum() for o in outs).backward()
+
+
+def test_distributed_optimizer_load_keeps_each_adam_step():
+    """The loader's guard around megatron-core 0.19's DistributedOptimizer.load_state_dict with torch's Adam
+    (megatron_tma.mcore.checkpoint), on a stand-in with its load's behaviour: the step from the param groups put
+    into every state as ONE shared tensor, then the per-parameter setter copying the checkpoint entries' `step` (a
+    stale non-persistent 0 in dp_reshardable, absent in fully_reshardable) over it. On the H200 the unguarded
+    dp_reshardable resume parted from the uninterrupted run at its first step. After the guarded load every state
+    holds the checkpoint's step in a tensor of its own (torch's Adam adds 1 to each in place)."""
+    from megatron_tma.mcore import checkpoint
+
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+
+    class DistributedOptimizer:  # the name the guard recognises
+        def __init__(self):
+            self.optimizer = torch.optim.Adam(params)
+            self.model_param_group_index_map = {i: (0, i) for i in range(3)}
+
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            main = self.optimizer.param_groups[0]["params"][model_param]
+            for key, dst in self.optimizer.state[main].items():
+                dst.copy_(tensors[key])  # KeyError where an entry has no step, as megatron-core's setter
+
+        def load_state_dict(self, entries):
+            shared = torch.tensor(6.0)  # the param groups' step, one tensor for all states
+            for p in params:
+                self.optimizer.state[p] = {"step": shared, "exp_avg": torch.zeros(4)}
+            for i, entry in enumerate(entries):
+                self._set_main_param_and_optimizer_states(i, entry)
+
+    stale = [{"step": torch.tensor(0.0), "exp_avg": torch.full((4,), float(i))} for i in range(3)]
+    for entries in (stale, [{"exp_avg": e["exp_avg"]} for e in stale]):  # dp_reshardable, fully_reshardable
+        opt = DistributedOptimizer()
+        with checkpoint._torch_adam_steps_survive_the_load(opt):
+            opt.load_state_dict(entries)
+        steps = [opt.optimizer.state[p]["step"] for p in params]
+        assert all(float(s) == 6.0 for s in steps)
+        assert len({id(s) for s in steps}) == 3  # not shared
+        assert all(torch.equal(opt.optimizer.state[p]["exp_avg"], stale[i]["exp_avg"]) for i, p in enumerate(params))
+        assert "_set_main_param_and_optimizer_states" not in vars(opt)  # the class's setter again

@@ -102,13 +102,19 @@ def _distributed_optimizers(optimizer):
 
 @contextlib.contextmanager
 def _torch_adam_steps_survive_the_load(optimizer):
-    """Two defects of megatron-core 0.19's `DistributedOptimizer.load_state_dict` with torch's own Adam (no Apex or
-    Transformer Engine), which keeps its step as a tensor in every parameter's state; both break a resume:
-    * it gives every state the same step tensor, and torch's Adam adds 1 to each parameter's step in place, so after
-      one more step the count is off by the number of parameters (bias corrections wrong: a run resumed with the
-      `dp_reshardable` format parted from the uninterrupted one at its first step). Each state gets its own copy;
-    * the `fully_reshardable` loader copies every tensor of a state from the checkpoint's entries, which hold no
-      `step` (KeyError). Its per-parameter setter is given the state's own step for that entry while loading."""
+    """Defects of megatron-core 0.19's `DistributedOptimizer.load_state_dict` with torch's own Adam (no Apex or
+    Transformer Engine), which keeps its step as a tensor in every parameter's state; each breaks a resume. The
+    checkpoint's step is the one in its param groups (no format persists a per-parameter step), which the loader first
+    puts into every state, and then:
+    * `fully_reshardable`: its per-parameter setter copies every tensor of a state from the checkpoint's entries,
+      which hold no `step` (KeyError);
+    * `dp_reshardable`: the entries' `step` is a non-persistent object, i.e. the state's step as it was when the
+      sharded state dict was built (before the load: 0), and the setter copies it over the loaded step (measured on
+      the H200: the resumed run parted from the uninterrupted one at its first step);
+    * every state gets the same step tensor, and torch's Adam adds 1 to each parameter's step in place, so one more
+      step puts the count off by the number of parameters.
+    So while loading, the setter is handed each state's own (loaded) step for `step`, and afterwards every state gets
+    its own copy of it."""
     patched = []
     for opt in _distributed_optimizers(optimizer):
         setter = opt._set_main_param_and_optimizer_states
@@ -116,8 +122,8 @@ def _torch_adam_steps_survive_the_load(optimizer):
         def with_step(model_param, tensors, opt=opt, setter=setter):
             group, order = opt.model_param_group_index_map[model_param]
             step = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]].get("step")
-            if isinstance(step, torch.Tensor) and "step" not in tensors:
-                tensors = {**tensors, "step": step}
+            if isinstance(step, torch.Tensor):
+                tensors = {**tensors, "step": step}  # a copy onto itself: the step the load put there stays
             return setter(model_param, tensors)
 
         opt._set_main_param_and_optimizer_states = with_step
