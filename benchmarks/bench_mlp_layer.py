@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-from megatron_tma import reference  # noqa: E402
+from megatron_tma import testing  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma.mlp import WEIGHT_LAYOUTS, GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
 
@@ -228,7 +228,7 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
             row["graph_speedup_vs_padded_path"] = round(row["padded_path_graph_ms"] / row["ours_graph_ms"], 4)
         del graphed
     if "bf16_ms" in row:
-        row["max_diff_vs_bf16"] = max(reference.diff(u, v) for u, v in zip(a, steps["bf16"].results())
+        row["max_diff_vs_bf16"] = max(testing.diff(u, v) for u, v in zip(a, steps["bf16"].results())
                                       if v.abs().sum() > 0)
     if "ours_ms" in row:
         for base in ("padded_path", "bf16"):

@@ -46,6 +46,7 @@ def _check(device: str) -> dict:
     """{name: (diff, tolerance, bits_equal or None)} for one small call of each quantizer and GEMM on `device`:
     the CUDA kernels on a GPU, the reference backend on the CPU."""
     from . import reference as R
+    from . import testing as T
     from .gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
     from .padding import padded_m_grouped_fp8_gemm
     from .quant import quantize_1x128, quantize_128x128, quantize_grouped_128x1
@@ -68,14 +69,14 @@ def _check(device: str) -> dict:
         torch.cuda.synchronize(device)
     x64, w64 = x.double(), w.double()
     return {
-        "quantize_1x128": (R.diff(R.dequantize_1x128(aq, a_s, torch.float64), x64), QUANT_TOLERANCE, None),
-        "quantize_128x128": (R.diff(R.dequantize_128x128(wq, ws, torch.float64), w64), QUANT_TOLERANCE,
+        "quantize_1x128": (T.diff(R.dequantize_1x128(aq, a_s, torch.float64), x64), QUANT_TOLERANCE, None),
+        "quantize_128x128": (T.diff(R.dequantize_128x128(wq, ws, torch.float64), w64), QUANT_TOLERANCE,
                              torch.equal(wqt.view(torch.uint8), wq.view(torch.uint8).transpose(1, 2))),
-        "quantize_grouped_128x1": (R.diff(R.dequantize_grouped_128x1(xt, xs, sizes, torch.float64), x64),
+        "quantize_grouped_128x1": (T.diff(R.dequantize_grouped_128x1(xt, xs, sizes, torch.float64), x64),
                                    QUANT_TOLERANCE, None),
-        "m_grouped_fp8_gemm": (R.diff(y.double(), R.m_grouped_ref64(aq, a_s, wq, ws, sizes)), GEMM_TOLERANCE,
+        "m_grouped_fp8_gemm": (T.diff(y.double(), T.m_grouped_ref64(aq, a_s, wq, ws, sizes)), GEMM_TOLERANCE,
                                torch.equal(y, y_padded)),
-        "k_grouped_fp8_gemm": (R.diff(dw.double(), R.k_grouped_ref64(dyt, dys, xt, xs, sizes)), GEMM_TOLERANCE, None),
+        "k_grouped_fp8_gemm": (T.diff(dw.double(), T.k_grouped_ref64(dyt, dys, xt, xs, sizes)), GEMM_TOLERANCE, None),
     }
 
 

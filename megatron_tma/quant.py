@@ -10,7 +10,7 @@
 * ``quantize_1x128_and_grouped_128x1``: the first and the third from one read of x (the backward needs
   dY in both forms, the forward can keep X^T for wgrad): the same outputs, a third less memory traffic.
 
-Backends: ``backend="auto"`` runs the CUDA kernels (csrc/include/megatron_tma/kernels/quantize.cuh)
+Backends: ``backend="auto"`` runs the CUDA kernels (csrc/include/megatron_tma/kernels/quantize_*.cuh)
 when the input lives on an sm_90 GPU and the extension is built, else ``megatron_tma.reference``;
 ``"cuda"`` insists on the kernels, ``"reference"`` forces the oracle. Both give the same bytes. The
 kernels' ops (``torch.ops.megatron_tma.quantize_*``) allocate their outputs themselves (``torch.empty``;

@@ -8,6 +8,7 @@ import torch
 import megatron_tma
 from megatron_tma import quant
 from megatron_tma import reference as R
+from megatron_tma import testing as T
 from megatron_tma.activation import ACTIVATIONS, activation_times_probs
 from megatron_tma.gemm import k_grouped_fp8_gemm, m_grouped_fp8_gemm
 
@@ -23,15 +24,15 @@ aq, a_s = R.quantize_1x128(x)
 wq, ws, _, _ = R.quantize_128x128(w)
 y = m_grouped_fp8_gemm(aq, a_s, wq, ws, sizes)
 torch.cuda.synchronize()
-d = R.diff(y.double(), R.m_grouped_ref64(aq, a_s, wq, ws, sizes))
+d = T.diff(y.double(), T.m_grouped_ref64(aq, a_s, wq, ws, sizes))
 print(f"m_grouped diff vs float64: {d:.3e}", flush=True)
 dy = torch.randn(M, N, device=dev).bfloat16()
 xt, xs = R.quantize_grouped_128x1(x, sizes)
 dyt, dys = R.quantize_grouped_128x1(dy, sizes)
 dw = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes)
 torch.cuda.synchronize()
-ref = R.k_grouped_ref64(dyt, dys, xt, xs, sizes)
-dk = max(R.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
+ref = T.k_grouped_ref64(dyt, dys, xt, xs, sizes)
+dk = max(T.diff(dw[g].double(), ref[g]) for g in (0, 2, 3))
 dwb = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16)  # BF16: the TMA-store epilogue
 kb16 = torch.equal(dwb, dw.bfloat16())
 c0 = torch.randn(G, N, K, device=dev)
@@ -49,8 +50,8 @@ for s in sizes.tolist():
     a += -(-s // 16) * 16
 klay = all(t.shape == (r, P) and t.is_contiguous() and not bool(t.view(torch.uint8)[:, ~tok].any())
            for t, r in ((xt, K), (dyt, N)))
-x_pad, _, psizes = R.pad_groups_rows(x, None, sizes, 128)
-dy_pad, _, _ = R.pad_groups_rows(dy, None, sizes, 128)
+x_pad, _, psizes = T.pad_groups_rows(x, None, sizes, 128)
+dy_pad, _, _ = T.pad_groups_rows(dy, None, sizes, 128)
 (xpt, xps), (dypt, dyps) = R.quantize_grouped_128x1(x_pad, psizes), R.quantize_grouped_128x1(dy_pad, psizes)
 kpad = torch.equal(k_grouped_fp8_gemm(dypt, dyps, xpt, xps, psizes), dw)
 kpad = kpad and torch.equal(k_grouped_fp8_gemm(dypt, dyps, xpt, xps, psizes, out_dtype=torch.bfloat16), dwb)

@@ -22,6 +22,7 @@ from _activation64 import act64
 
 from megatron_tma import quant
 from megatron_tma import reference as R
+from megatron_tma import testing as T
 from megatron_tma.autograd import FP8WeightCache, fp8_grouped_linear, stacked_view
 from megatron_tma.groups import make_group_sizes
 from megatron_tma.mlp import ACTIVATIONS, GroupedBF16MLP, GroupedFP8MLP, activation_times_probs
@@ -126,13 +127,13 @@ def _float64_mlp(module, x, sizes, p, dy, quantized, pow2=False):
 def _diffs(ours, ref):
     """docs/design.md §3 diff per result; weight grads of empty groups are exactly zero in both (checked, skipped)."""
     names = ("out", "dx", "dprobs")
-    out = {n: R.diff(a, b) for n, a, b in zip(names, ours[:3], ref[:3]) if a is not None}
+    out = {n: T.diff(a, b) for n, a, b in zip(names, ours[:3], ref[:3]) if a is not None}
     for fc, gs, rs in (("fc1", ours[3], ref[3]), ("fc2", ours[4], ref[4])):
         for i, (a, b) in enumerate(zip(gs, rs)):
             if b.abs().sum() == 0:
                 assert a.abs().sum() == 0, f"{fc}.weight{i} of an empty group has a non-zero gradient"
             else:
-                out[f"{fc}.weight{i}"] = R.diff(a, b)
+                out[f"{fc}.weight{i}"] = T.diff(a, b)
     return out
 
 

@@ -451,7 +451,7 @@ def test_expert_tensor_parallel_shards_compute_slices_of_the_whole_experts():
     activation and every weight gradient are bit for bit the matching slices of the whole experts' (ETP = 1); the
     fc2 output and dx are partial sums over F that Megatron's dispatcher adds up across the two ranks (BF16
     rounding of two partials instead of one sum)."""
-    from megatron_tma import reference as R
+    from megatron_tma import testing as T
 
     ffn, half = 512, 256
     whole = megatron_experts(4, make_config(moe_ffn_hidden_size=ffn), backend="reference")
@@ -482,7 +482,7 @@ def test_expert_tensor_parallel_shards_compute_slices_of_the_whole_experts():
         assert torch.equal(g1, dw1[:, rows]) and torch.equal(g2, dw2[:, :, r * half:(r + 1) * half]), r
         outs.append(o.float())
         dxs.append(d.float())
-    assert R.diff(outs[0] + outs[1], out) < 1e-4 and R.diff(dxs[0] + dxs[1], dx) < 1e-4
+    assert T.diff(outs[0] + outs[1], out) < 1e-4 and T.diff(dxs[0] + dxs[1], dx) < 1e-4
 
 
 class _Group:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_tma import _ext
-from megatron_tma import reference as R
+from megatron_tma import testing as T
 from megatron_tma.groups import make_group_sizes
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
@@ -168,7 +168,7 @@ def test_close_to_the_bf16_layer(dist, activation):
         if v.abs().sum() == 0:  # an empty expert: both gradients exactly zero
             assert u.abs().sum() == 0, name
             continue
-        assert R.diff(u, v) <= BF16_LAYER_TOL, (name, R.diff(u, v))
+        assert T.diff(u, v) <= BF16_LAYER_TOL, (name, T.diff(u, v))
 
 
 @pytest.mark.parametrize("pad_to,recompute", [(None, False), (128, False), (None, True)])

@@ -12,6 +12,7 @@ import torch
 from _dists import EDGE_GROUPINGS, group_tensor, make_group_sizes, random_rows
 
 from megatron_tma import reference as R
+from megatron_tma import testing as T
 from megatron_tma._validate import FP8
 from megatron_tma.groups import aligned_token_offsets, token_block_offsets
 
@@ -581,29 +582,29 @@ def test_m_grouped_forward_and_dgrad_accuracy(gen, dist):
     sizes = make_group_sizes(600, 5, dist, seed=11)
     a, a_s, (wq, ws, wqt, wst) = _gemm_problem(gen, sizes)
     y = R.m_grouped_fp8_gemm(a, a_s, wq, ws, sizes)
-    y64 = R.m_grouped_ref64(a, a_s, wq, ws, sizes)
+    y64 = T.m_grouped_ref64(a, a_s, wq, ws, sizes)
     assert y.shape == (600, 256) and y.dtype == torch.bfloat16
-    assert R.diff(y, y64) < 1e-3  # the contract's bound
-    assert R.diff(y, y64) < 1e-5  # the oracle's own error is BF16 output rounding only
+    assert T.diff(y, y64) < 1e-3  # the contract's bound
+    assert T.diff(y, y64) < 1e-5  # the oracle's own error is BF16 output rounding only
     y32 = R.m_grouped_fp8_gemm(a, a_s, wq, ws, sizes, out_dtype=torch.float32)
-    assert R.diff(y32, y64) < 1e-12 and torch.equal(y32.to(torch.bfloat16), y)
+    assert T.diff(y32, y64) < 1e-12 and torch.equal(y32.to(torch.bfloat16), y)
     # dgrad: dX = dY . W, i.e. the same call with W^T [G, K, N] and its transposed scales
     dy, dy_s = R.quantize_1x128(random_rows(600, 256, gen))
     dx = R.m_grouped_fp8_gemm(dy, dy_s, wqt, wst, sizes)
-    dx64 = R.m_grouped_ref64(dy, dy_s, wqt, wst, sizes)
-    assert dx.shape == (600, 384) and R.diff(dx, dx64) < 1e-5
+    dx64 = T.m_grouped_ref64(dy, dy_s, wqt, wst, sizes)
+    assert dx.shape == (600, 384) and T.diff(dx, dx64) < 1e-5
     w64 = R.dequantize_128x128(wq, ws, torch.float64)
     offs = [0] + torch.cumsum(sizes, 0).tolist()
     direct = torch.cat([R.dequantize_1x128(dy, dy_s, torch.float64)[offs[g]:offs[g + 1]] @ w64[g]
                         for g in range(5)])
-    assert R.diff(dx64, direct) < 1e-14
+    assert T.diff(dx64, direct) < 1e-14
 
 
 def test_m_grouped_edge_groups_and_formats(gen, groups_format):
     sizes = EDGE_GROUPINGS["edges_shuffled"]
     a, a_s, (wq, ws, _, _) = _gemm_problem(gen, sizes, n=128, k=256)
     y = R.m_grouped_fp8_gemm(a, a_s, wq, ws, group_tensor(sizes, groups_format))
-    assert R.diff(y, R.m_grouped_ref64(a, a_s, wq, ws, torch.tensor(sizes))) < 1e-5
+    assert T.diff(y, T.m_grouped_ref64(a, a_s, wq, ws, torch.tensor(sizes))) < 1e-5
     assert torch.equal(y, R.m_grouped_fp8_gemm(a, a_s, wq, ws, torch.tensor(sizes)))
 
 
@@ -613,10 +614,10 @@ def test_m_grouped_padded_equals_unpadded(gen, align):
     x = random_rows(int(sizes.sum()), 256, gen)
     a, a_s = R.quantize_1x128(x)
     wq, ws, _, _ = R.quantize_128x128(random_rows(len(sizes) * 128, 256, gen, spread=3).reshape(-1, 128, 256))
-    a_pad, a_s_pad, sizes_pad = R.pad_groups_rows(a, a_s, sizes, align)
+    a_pad, a_s_pad, sizes_pad = T.pad_groups_rows(a, a_s, sizes, align)
     assert torch.equal(sizes_pad, (sizes + align - 1) // align * align)
     # padding the quantized operand == quantizing the zero-padded input (zero rows: q = 0, s = 1)
-    x_pad, _, _ = R.pad_groups_rows(x, None, sizes, align)
+    x_pad, _, _ = T.pad_groups_rows(x, None, sizes, align)
     q2, s2 = R.quantize_1x128(x_pad)
     assert torch.equal(qbytes(q2), qbytes(a_pad)) and torch.equal(s2, a_s_pad)
     y = R.m_grouped_fp8_gemm(a, a_s, wq, ws, sizes)
@@ -637,9 +638,9 @@ def test_k_grouped_accuracy_and_accumulate(gen, dist):
     sizes = make_group_sizes(700, 6, dist, seed=13)
     _, _, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
     dw = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes)
-    ref = R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, sizes)
+    ref = T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, sizes)
     assert dw.shape == (6, 64, 48) and dw.dtype == torch.float32
-    assert R.diff(dw, ref) < 1e-3 and R.diff(dw, ref) < 1e-12
+    assert T.diff(dw, ref) < 1e-3 and T.diff(dw, ref) < 1e-12
     empty = sizes == 0
     assert (dw[empty] == 0).all()
     c = torch.randn(6, 64, 48, generator=gen)
@@ -661,8 +662,8 @@ def test_k_grouped_padded_equals_unpadded(gen, align, name):
     a multiple of `align` (the quantizer run on x with zero rows inserted, the GEMM with the padded sizes)."""
     sizes = torch.tensor(WGRAD_GROUPINGS[name])
     dy, x, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
-    dy_pad, _, sizes_pad = R.pad_groups_rows(dy, None, sizes, align)
-    x_pad, _, _ = R.pad_groups_rows(x, None, sizes, align)
+    dy_pad, _, sizes_pad = T.pad_groups_rows(dy, None, sizes, align)
+    x_pad, _, _ = T.pad_groups_rows(x, None, sizes, align)
     dyp_t, dyp_s = R.quantize_grouped_128x1(dy_pad, sizes_pad)
     xp_t, xp_s = R.quantize_grouped_128x1(x_pad, sizes_pad)
     used = int(token_block_offsets(sizes)[-1])
@@ -675,9 +676,9 @@ def test_k_grouped_padded_equals_unpadded(gen, align, name):
     assert torch.equal(acc, acc_pad)
     bf = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes, out_dtype=torch.bfloat16)
     assert torch.equal(bf, R.k_grouped_fp8_gemm(dyp_t, dyp_s, xp_t, xp_s, sizes_pad, out_dtype=torch.bfloat16))
-    ref = R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, sizes)
-    assert R.diff(dw, ref) < 1e-3 and R.diff(dw, ref) < 1e-12  # the contract's bound; the oracle is near exact
-    assert R.diff(ref, R.k_grouped_ref64(dyp_t, dyp_s, xp_t, xp_s, sizes_pad)) < 1e-15
+    ref = T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, sizes)
+    assert T.diff(dw, ref) < 1e-3 and T.diff(dw, ref) < 1e-12  # the contract's bound; the oracle is near exact
+    assert T.diff(ref, T.k_grouped_ref64(dyp_t, dyp_s, xp_t, xp_s, sizes_pad)) < 1e-15
 
 
 def test_k_grouped_reads_only_each_groups_columns(gen):
@@ -705,8 +706,8 @@ def test_k_grouped_num_groups_and_out_give_g(gen, fmt):
     assert torch.equal(R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, num_groups=4), want)
     out = torch.full_like(want, NAN)
     assert R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, out=out) is out and torch.equal(out, want)
-    assert torch.equal(R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, num_groups=4),
-                       R.k_grouped_ref64(dy_t, dy_s, x_t, x_s, torch.tensor(sizes)))
+    assert torch.equal(T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, num_groups=4),
+                       T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, torch.tensor(sizes)))
     if fmt[0] == "offsets":  # read as 5 sizes: they need more columns than P holds
         with pytest.raises(ValueError, match=r"wgrad operands have P = 240 \(offsets \[G\+1\] need num_groups"):
             R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups)
@@ -746,15 +747,15 @@ def test_gemm_argument_errors(gen):
 # ------------------------------------------------------------------------------------------------
 def test_diff(gen):
     x = torch.randn(100, generator=gen)
-    assert R.diff(x, x) == 0.0
-    assert R.diff(x, -x) == pytest.approx(2.0)
-    assert R.diff(x, torch.zeros(100)) == pytest.approx(1.0)
-    assert R.diff(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == 1.0
-    assert R.diff(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 5.0])) == pytest.approx(1 - 2 * 29 / (25 + 34))
+    assert T.diff(x, x) == 0.0
+    assert T.diff(x, -x) == pytest.approx(2.0)
+    assert T.diff(x, torch.zeros(100)) == pytest.approx(1.0)
+    assert T.diff(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == 1.0
+    assert T.diff(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 5.0])) == pytest.approx(1 - 2 * 29 / (25 + 34))
     y = x.clone()
     y[7] = NAN
-    assert math.isnan(R.diff(x, y))
-    assert math.isnan(R.diff(torch.zeros(3), torch.zeros(3)))  # all-zero output is a failure, not a pass
-    assert R.diff(x.bfloat16(), x) < 1e-4 and R.diff(x.bfloat16(), x) > 0
+    assert math.isnan(T.diff(x, y))
+    assert math.isnan(T.diff(torch.zeros(3), torch.zeros(3)))  # all-zero output is a failure, not a pass
+    assert T.diff(x.bfloat16(), x) < 1e-4 and T.diff(x.bfloat16(), x) > 0
     with pytest.raises(ValueError, match=r"diff: shapes differ, \(100,\) vs \(10, 10\)"):
-        R.diff(x, x.reshape(10, 10))
+        T.diff(x, x.reshape(10, 10))

@@ -1,11 +1,13 @@
-// Host launchers and instances of the FP8 block quantizers (kernels/quantize.cuh): every kernel for
+// Host launchers and instances of the FP8 block quantizers (kernels/quantize_{1x128,128x128,grouped_128x1}.cuh): every kernel for
 // {bf16, fp16} inputs and {FP32, pow2} scales, picked at run time; the grouped kernel also fused with 1x128.
 #include <climits>
 #include <cstdlib>
 #include <mutex>
 
 #include "megatron_tma/host/quantize.h"
-#include "megatron_tma/kernels/quantize.cuh"
+#include "megatron_tma/kernels/quantize_128x128.cuh"
+#include "megatron_tma/kernels/quantize_1x128.cuh"
+#include "megatron_tma/kernels/quantize_grouped_128x1.cuh"
 
 namespace megatron_tma {
 namespace {

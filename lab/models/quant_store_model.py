@@ -1,4 +1,4 @@
-"""Python model of the grouped quantizers' store schemes (csrc/include/megatron_tma/kernels/quantize.cuh), used
+"""Python model of the grouped quantizers' store schemes (csrc/include/megatron_tma/kernels/quantize_grouped_128x1.cuh), used
 to check their byte bookkeeping before running them: every token byte of a qt row written exactly once and
 nothing outside [0, M), for runs of 1-8 blocks over hundreds of group layouts. This models the whole
 128-byte line scheme (store_token_lines: parked line heads), lane by lane: lane j of a row owns chunk j of

@@ -1,5 +1,5 @@
 // Torch-free host entry points of the FP8 block quantizers (csrc/instantiations/quantize.cu; kernels in
-// kernels/quantize.cuh, numerics in common/fp8.cuh, byte layouts in docs/layouts.md). Plain C++: the
+// kernels/quantize_*.cuh, numerics in common/fp8.cuh, byte layouts in docs/layouts.md). Plain C++: the
 // torch binding includes it with the host compiler.
 //
 // Every function checks the geometry it can see and returns cudaErrorInvalidValue with nothing launched
