@@ -33,7 +33,8 @@ What the Megatron side needs, and where it is done here:
 * Megatron's distributed checkpoint (`sharded_state_dict`): the shards and objects Megatron's own experts write, so
   that checkpoints go both ways between these experts and Megatron's (tests/test_mcore.py: equal to `SequentialMLP`'s
   entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
-  its two CUDA calls stood in for, on the H200 as is).
+  its two CUDA calls stood in for, on the H200 as is), optimizer state included: each weight parameter is one
+  factory over the parameter itself, which Megatron's optimizers need to find their states (docs/megatron.md).
 * Warned about, not refused: Megatron's training CUDA graphs around these experts (`cuda_graph_impl`), untested,
   since the cache above is host logic that a replay skips (right only if the capture recorded the quantization).
 * Megatron's `recompute_modules=["moe_act"]` (selective recompute): the FP8 experts then recompute the activation
