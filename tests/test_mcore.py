@@ -187,6 +187,28 @@ def test_fp8_cache_follows_megatrons_iteration_signal():
     assert torch.equal(fresh(x, sizes, probs)[0], out1)
 
 
+def test_a_forward_under_graph_capture_quantizes_inside_the_graph(monkeypatch):
+    """Megatron's CUDA graphs replay the experts without their host-side cache checks, so a forward under capture
+    must put the weight quantization in the graph: it re-quantizes even where an eager forward keeps the copies (the
+    same iteration, after a backward). Capture is stood in for on the CPU (the check the experts make)."""
+    from megatron_tma.mcore import experts as mcore_experts
+
+    experts = megatron_experts(4, make_config(), backend="reference")
+    weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    x, sizes, probs = _routed()
+    out0, _ = experts(x, sizes, probs)
+    out0.float().sum().backward()
+    with torch.no_grad():  # a weight update no version counter sees, within the iteration
+        for w in weights:
+            w.data.mul_(-1.0)
+    assert torch.equal(experts(x, sizes, probs)[0], out0)  # eager: the copies are kept
+    monkeypatch.setattr(mcore_experts, "_capturing", lambda: True)
+    assert not torch.equal(experts(x, sizes, probs)[0], out0)  # captured: quantized from the weights now
+
+
 def test_fp8_cache_follows_optimizer_steps_for_evaluation():
     """Megatron's evaluation runs right after a training step: DDP's flag is still True (no zero_grad_buffer()), and
     the step wrote the weights through .data (a torch optimizer on FP32 master copies, then a copy into the

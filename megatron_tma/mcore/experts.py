@@ -35,8 +35,9 @@ What the Megatron side needs, and where it is done here:
   entry for entry, and `torch_dist` saves and loads through Megatron's writer in both directions: on the CPU with
   its two CUDA calls stood in for, on the H200 as is), optimizer state included: each weight parameter is one
   factory over the parameter itself, which Megatron's optimizers need to find their states (docs/megatron.md).
-* Warned about, not refused: Megatron's training CUDA graphs around these experts (`cuda_graph_impl`), untested,
-  since the cache above is host logic that a replay skips (right only if the capture recorded the quantization).
+* Warned about, not refused: Megatron's training CUDA graphs around these experts (`cuda_graph_impl`), untested end
+  to end. The cache above is host logic that a replay skips, so a forward under graph capture always quantizes the
+  weights inside the graph (every replay re-quantizes from the weights' memory, which Megatron updates in place).
 * Megatron's `recompute_modules=["moe_act"]` (selective recompute): the FP8 experts then recompute the activation
   in backward instead of keeping its FP8 columns (`recompute_activation`, megatron_tma.activation_linear), with the
   same bits; the BF16 experts warn that they do not.
@@ -235,6 +236,11 @@ def _merge_expert_shards(loaded, stacked: bool):
     return torch.stack(experts) if stacked else experts[0]
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
@@ -263,11 +269,13 @@ class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
         # (a new iteration). Forwards with the flag False and no backward since the copies were made -- a
         # pipeline's warm-up micro-batches, a recompute in backward -- keep them: re-making them there would also
         # keep one more FP8 copy of the weights alive per micro-batch in flight (each holds its W^T for dgrad).
+        # Under CUDA-graph capture (Megatron's cuda_graph_impl) always: the host checks above do not run at replay,
+        # so the graph must hold the quantization itself (every replay then re-quantizes the weights in place).
         stepped = self._steps_seen != _optimizer_steps
         self._steps_seen = _optimizer_steps
         reset = self._backward_since_quantized and any(
             getattr(w, "grad_added_to_main_grad", None) is False for w in self.parameters())
-        if stepped or reset:
+        if stepped or reset or _capturing():
             self.invalidate_weight_cache()
             self._backward_since_quantized = False
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
@@ -302,8 +310,9 @@ def _ignored_settings(config, mode: str):
                    "activations stay on the GPU")
     if mode != "bf16" and _graphs_capture_experts(config):
         yield (f"config.cuda_graph_impl={config.cuda_graph_impl!r} captures megatron_tma's FP8 experts in CUDA graphs, "
-               "which is untested: their FP8 weight copies are re-made by host-side checks that do not run at replay, "
-               "so a graph captured while the copies were cached would replay them after the weights changed")
+               "which is untested end to end in Megatron: a captured forward quantizes the weights inside the graph "
+               "(every replay re-quantizes them, as the first micro-batch of a step does), since the host-side "
+               "checks that otherwise decide when to re-quantize do not run at replay")
 
 
 def _graphs_capture_experts(config) -> bool:
