@@ -438,6 +438,25 @@ def _expert_shards(sharded_state_dict):
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "geglu"])
+def test_distributed_checkpoint_layout_is_megatrons_with_singleton_shards(megatron_cpu, activation):
+    """Megatron's `singleton_local_shards` layout (one key per global expert, `experts.<e>.linear_fc1.weight`, and
+    SwiGLU's halves as `_w` / `_v` keys): the same entries as SequentialMLP's (optimizer states go through the same
+    build function with another tensor: test_distributed_checkpoint_with_optimizer_state)."""
+    theirs, ours = _small_gpt(None, activation), _small_gpt("unpadded", activation)
+    _randomize(theirs, 23)
+    ours.load_state_dict(_weights(theirs))
+    metadata = {"singleton_local_shards": True}
+    a = _expert_shards(theirs.sharded_state_dict(metadata=metadata))
+    b = _expert_shards(ours.sharded_state_dict(metadata=metadata))
+    assert a.keys() == b.keys() and any(".experts.3." in key for key, _ in a)
+    for k in a:
+        (shape_a, frag_a, rep_a, data_a), (shape_b, frag_b, rep_b, data_b) = a[k], b[k]
+        assert (shape_a, frag_a, rep_a) == (shape_b, frag_b, rep_b), k
+        assert (data_a is None and data_b is None) or torch.equal(data_a, data_b), k
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "geglu"])
 def test_distributed_checkpoint_layout_is_megatrons(megatron_cpu, activation):
     """The experts' sharded state dict writes what Megatron's own experts (SequentialMLP) write: the same tensor and
     object keys, global shapes, offsets along the global expert axis, fragmentation, replica ids and data, so that
