@@ -750,6 +750,16 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     _assert_same_training_state(model, opt, resumed, opt_resumed)
     with pytest.raises(ValueError, match="optim_format"):
         checkpoint.save_checkpoint(str(tmp_path), 3, [model], opt, optim_format="fully_sharded_model_space")
+    # what a run killed while saving leaves: a directory the tracker never named, written over when the run gets there
+    (tmp_path / "iter_0000005").mkdir()
+    (tmp_path / "iter_0000005" / "half-written").write_text("x")
+    checkpoint.save_checkpoint(str(tmp_path), 5, [model], opt, progress=progress)
+    assert checkpoint.latest_iteration(str(tmp_path)) == 5 and not (tmp_path / "iter_0000005" / "half-written").exists()
+    # Megatron-LM's metadata: no per-sub-optimizer key prefix, no singleton shards, no distributed-optimizer format
+    # for a plain optimizer
+    metadata = checkpoint._metadata(opt, "dp_reshardable")
+    assert metadata["chained_optim_avoid_prefix"] is True and metadata["singleton_local_shards"] is False
+    assert "distrib_optim_sharding_type" not in metadata and "dp_cp_group" in metadata
 
 
 def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):
@@ -871,3 +881,12 @@ def test_distributed_optimizer_load_keeps_each_adam_step():
         assert len({id(s) for s in steps}) == 3  # not shared
         assert all(torch.equal(opt.optimizer.state[p]["exp_avg"], stale[i]["exp_avg"]) for i, p in enumerate(params))
         assert "_set_main_param_and_optimizer_states" not in vars(opt)  # the class's setter again
+    if HAVE_MEGATRON:  # with Apex or Transformer Engine, megatron-core's fused Adams keep no step per state: no guard
+        from megatron.core.optimizer import distrib_optimizer
+
+        original = distrib_optimizer.HAVE_APEX_OR_TE
+        distrib_optimizer.HAVE_APEX_OR_TE = True
+        try:
+            assert checkpoint._distributed_optimizers(DistributedOptimizer()) == []
+        finally:
+            distrib_optimizer.HAVE_APEX_OR_TE = original

@@ -15,10 +15,17 @@ For runs built from megatron-core without Megatron-LM's `training` loop (recipes
 * each rank's RNG states (Python, torch CPU and CUDA, Megatron's CUDA RNG tracker), one object per global rank;
 * `progress`: any picklable object the caller keeps with the checkpoint (the same on every rank; rank 0's is saved).
 A checkpoint counts once `latest_checkpointed_iteration.txt` names it, which rank 0 writes after every rank finished
-its part: a run killed while saving resumes from the checkpoint before."""
+its part: a run killed while saving resumes from the checkpoint before, and the unfinished directory it left is
+written over when the run gets there again (a complete checkpoint never is). The entries are built with the
+metadata Megatron-LM passes (`_metadata`). Per-rank RNG states are restored at the same world size only; the
+optimizer formats themselves reshard along data parallelism.
+With the distributed optimizer's parameter all-gather overlapped, the stepped parameters are gathered before saving,
+as Megatron-LM does."""
 import contextlib
 import os
 import random
+import shutil
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -58,23 +65,56 @@ def _unwrapped(model):
     return model
 
 
-def _state(models, optimizer, optim_format: str, progress, *, loading: bool):
+def _is_distributed(optimizer) -> bool:
+    return any(type(opt).__name__ == "DistributedOptimizer"
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _metadata(optimizer, optim_format: str) -> dict:
+    """The `sharded_state_dict` metadata Megatron-LM passes to the model and the optimizer
+    (`_build_sharded_state_dict_metadata`), so that the entries are the ones its checkpoints hold: no per-sub-optimizer
+    key prefix, no singleton shards, the distributed optimizer's format only with a distributed optimizer."""
+    from megatron.core import parallel_state
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    if _is_distributed(optimizer):
+        metadata["distrib_optim_sharding_type"] = optim_format
+    return metadata
+
+
+def _state(models, optimizer, optim_format: str, progress, *, loading: bool, with_rng: bool = True):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     if optim_format not in OPTIM_FORMATS:
         raise ValueError(f"optim_format must be one of {OPTIM_FORMATS}, got {optim_format!r}")
-    state = {key: _unwrapped(m).sharded_state_dict() for key, m in zip(_model_keys(models), models)}
-    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading,
-                                                      metadata={"distrib_optim_sharding_type": optim_format})
+    metadata = _metadata(optimizer, optim_format)
+    state = {key: _unwrapped(m).sharded_state_dict(metadata=metadata) for key, m in zip(_model_keys(models), models)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=metadata)
     rng = None if loading else {"python": random.getstate(), "torch": torch.get_rng_state(),
                                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                                 "tracker": get_cuda_rng_tracker().get_states()}
     rank, world = dist.get_rank(), dist.get_world_size()
-    state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+    if with_rng:  # one object per global rank: restored only at the same world size (load_checkpoint)
+        state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
     state["progress"] = progress
     state["optim_format"] = optim_format
+    state["world_size"] = world
     return state
+
+
+def _distributed_optimizers(optimizer):
+    """The distributed sub-optimizers whose load needs the guards below: only where megatron-core takes its torch-Adam
+    branch (neither Apex nor Transformer Engine installed; their fused Adams keep the step in the param groups)."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:  # no megatron-core: nothing to guard (stand-ins in tests take torch Adam's branch)
+        distrib_optimizer = None
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+        return []
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if type(opt).__name__ == "DistributedOptimizer" and getattr(opt, "optimizer", None) is not None]
 
 
 def _give_fresh_states_a_step(optimizer) -> None:
@@ -93,11 +133,6 @@ def _give_fresh_states_a_step(optimizer) -> None:
                 state = inner.state[p]
                 if state and "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-
-
-def _distributed_optimizers(optimizer):
-    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
-            if type(opt).__name__ == "DistributedOptimizer" and getattr(opt, "optimizer", None) is not None]
 
 
 @contextlib.contextmanager
@@ -139,6 +174,17 @@ def _torch_adam_steps_survive_the_load(optimizer):
                 state["step"] = state["step"].clone()
 
 
+def _gather_updated_params(models, optimizer) -> None:
+    """With the distributed optimizer's parameter all-gather overlapped with the next forward, the parameters other
+    ranks updated are not gathered yet right after a step: gather them now, as Megatron-LM does before it saves
+    (`force_param_sync`), so that the checkpoint's weights are the stepped ones on every rank."""
+    if not any(getattr(getattr(m, "ddp_config", None), "overlap_param_gather", False) for m in models):
+        return
+    optimizer.prepare_model_params_for_param_sync()
+    for model in models:
+        model.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_format: str = "dp_reshardable",
                     progress: Any = None) -> str:
     """Save the run at `iteration` into `directory`/iter_<iteration> on every rank (a collective); returns that
@@ -146,11 +192,20 @@ def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(directory, iteration)
+    refusal = [None]  # rank 0 decides, every rank raises alike (a refusal on one rank would hang the others)
     if dist.get_rank() == 0:
+        latest = latest_iteration(directory)
         if os.path.exists(path) and os.listdir(path):
-            raise FileExistsError(f"{path} exists and is not empty; a checkpoint is never written over another")
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+            if latest is not None and iteration <= latest:
+                refusal = [f"{path} holds a complete checkpoint; a checkpoint is never written over another"]
+            else:  # the tracker never named it: what a run killed while saving left behind
+                shutil.rmtree(path)
+        if refusal[0] is None:
+            os.makedirs(path, exist_ok=True)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise FileExistsError(refusal[0])
+    _gather_updated_params(models, optimizer)
     dist_checkpointing.save(_state(models, optimizer, optim_format, progress, loading=False), path)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -175,12 +230,19 @@ def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[in
             raise FileNotFoundError(f"no checkpoint in {directory} (no {TRACKER_FILE})")
     path = checkpoint_dir(directory, iteration)
     common = dist_checkpointing.load_common_state_dict(path)
+    same_world = common.get("world_size") == dist.get_world_size()
+    if not same_world:
+        warnings.warn(f"{path} was saved by {common.get('world_size')} ranks, this run has {dist.get_world_size()}: "
+                      "the per-rank RNG states are not restored", UserWarning, stacklevel=2)
     _give_fresh_states_a_step(optimizer)
-    state = dist_checkpointing.load(_state(models, optimizer, common["optim_format"], None, loading=True), path)
+    state = dist_checkpointing.load(_state(models, optimizer, common["optim_format"], None, loading=True,
+                                           with_rng=same_world), path)
     for key, model in zip(_model_keys(models), models):
         _unwrapped(model).load_state_dict(state[key], strict=True)
     with _torch_adam_steps_survive_the_load(optimizer):
         optimizer.load_state_dict(state["optimizer"])
+    if not same_world:
+        return iteration, state["progress"]
     rng = state["rng_state"]
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
