@@ -35,8 +35,8 @@ norms equal the unpadded mode's bit for bit, and so do all parameters after the 
 its own); an evaluation after the last step (Megatron's: forward only, no per-iteration reset) gives the same loss
 again once the FP8 weight copies are forcibly re-made, i.e. it ran on the stepped weights (with `--nondeterministic`
 the two may differ by atomics: reported, not checked). Reported, not pass/fail: how close each curve stays to the
-BF16 ones (largest gap, final-window mean gap), the median ms per step over the second half of the steps and each
-mode's peak GPU memory (what it allocated beyond what the process held before it, most over ranks). Writes
+BF16 ones (largest gap, final-window mean gap), the median ms per step over the second half of the steps (and the
+tokens per second per GPU it makes) and each mode's peak GPU memory (what it allocated beyond what the process held before it, most over ranks). Writes
 `moe_gpt-<date>.json` (per-step losses, grad norms, ms per step, the checks) and a PNG of the curves and step times
 to `--out` (`--plot RESULT.json --out DIR` redraws the PNG of a result into DIR, on any machine, never over an
 existing file). Before any distributed set-up it stops with one line for each missing piece: a visible GPU,
@@ -758,8 +758,21 @@ def summarize(runs):
     return report, failures
 
 
+def add_throughput(report, config, world):
+    """`tokens_per_s_per_gpu` per mode: the tokens of one step over all data-parallel ranks (each trains micro-batches
+    x micro-batch size x sequence length; data-parallel size = world size / pipeline stages, tensor parallelism being
+    1 here) per second of the median step time, divided by the GPUs. Skipped for results without those settings."""
+    if not all(config.get(k) for k in ("micro_batches", "micro_batch_size", "seq_len")):
+        return
+    tokens = (world // (config.get("pp") or 1)) * config["micro_batches"] * config["micro_batch_size"] * config["seq_len"]
+    for row in report.values():
+        if row.get("ms_per_step_median"):
+            row["tokens_per_s_per_gpu"] = round(tokens / (row["ms_per_step_median"] / 1e3) / world, 1)
+
+
 def write_results(args, runs, report, failures, world, loss_floor):
     stamp = datetime.datetime.now(datetime.timezone.utc)
+    add_throughput(report, vars(args), world)
     result = {
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": "none (CPU job)" if args.cpu else torch.cuda.get_device_name(), "date": stamp.isoformat(),
@@ -822,6 +835,7 @@ def compare(paths, out_dir):
             runs[mode] = run
     report, failures = summarize(runs)
     first = results[0]
+    add_throughput(report, first["config"], first["world_size"])
     stamp = datetime.datetime.now(datetime.timezone.utc)
     merged = {**{k: first[k] for k in ("benchmark", "commit", "gpu", "world_size", "loss_floor")},
               "date": stamp.isoformat(), "command": "python recipes/moe_gpt.py --compare " + " ".join(paths),

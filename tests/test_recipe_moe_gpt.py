@@ -204,3 +204,18 @@ def test_checkpoint_tracker_names_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
     with pytest.raises(ValueError, match="not an iteration number"):
         checkpoint.latest_iteration(str(tmp_path))
+
+
+def test_tokens_per_second_per_gpu(recipe):
+    """The step's tokens over every data-parallel rank (world size / pipeline stages of them) per second of the median
+    step time, per GPU: what scaling runs compare across expert-parallel sizes."""
+    run = _run([7.0] * 4, [1.0] * 4)
+    run["times"] = [900.0, 800.0, 500.0, 500.0]  # median of the second half: 500 ms
+    report, _ = recipe.summarize({"unpadded": run})
+    config = {"micro_batches": 2, "micro_batch_size": 4, "seq_len": 1024, "pp": 2}
+    recipe.add_throughput(report, config, world=8)
+    # 4 data-parallel ranks x 2 x 4 x 1024 tokens = 32768 per step, in 0.5 s, over 8 GPUs
+    assert report["unpadded"]["tokens_per_s_per_gpu"] == 8192.0
+    bare = recipe.summarize({"unpadded": run})[0]
+    recipe.add_throughput(bare, {"steps": 3}, world=1)  # a result without the batch settings: nothing made up
+    assert "tokens_per_s_per_gpu" not in bare["unpadded"]
