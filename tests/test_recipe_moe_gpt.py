@@ -4,6 +4,7 @@ The training itself runs on the GPU (tests/test_mcore_gpu.py). Needs megatron-co
 import importlib.util
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -219,3 +220,21 @@ def test_tokens_per_second_per_gpu(recipe):
     bare = recipe.summarize({"unpadded": run})[0]
     recipe.add_throughput(bare, {"steps": 3}, world=1)  # a result without the batch settings: nothing made up
     assert "tokens_per_s_per_gpu" not in bare["unpadded"]
+
+
+@pytest.mark.parametrize("nproc", [4, 8])
+def test_scaling_runs_are_valid_recipe_runs(recipe, nproc):
+    """scripts/recipe_scaling.sh (issue 27's expert-parallel runs): every run's arguments parse as the recipe's, and
+    each parallel layout fits NPROC GPUs as Megatron lays it out (EP x ETP x PP <= N, EP dividing the data-parallel
+    ranks, layers split evenly over the stages)."""
+    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "recipe_scaling.sh"), str(nproc), "unused"],
+                         env={**os.environ, "DRY_RUN": "1"}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == [f"ep{nproc}", f"ep{nproc}-distopt", f"ep{nproc // 2}-pp2",
+                                                   f"ep{nproc // 2}-etp2"]
+    for line in lines:
+        args = recipe.parse_args(line.split()[1:])
+        assert args.topk == 8 and args.experts == 64 and args.experts % args.ep == 0
+        assert args.ep * args.etp * args.pp <= nproc and (nproc // args.pp) % (args.ep * args.etp) == 0
+        assert args.layers % args.pp == 0 and "unpadded" in args.modes and "padded16" in args.modes
