@@ -53,7 +53,7 @@ the distributed optimizer's in `dp_reshardable` or, with `--dist-ckpt-optim-full
 format --, each rank's RNG states and the run's records so far) to DIR/<mode>/iter_<step>; `--load DIR` resumes each
 mode from its newest one and trains on to `--steps`, and its result holds the whole run. A resumed run is the
 uninterrupted run, bit for bit (`--same-bits`; tests/test_mcore_gpu.py kills a run with `--kill-after-step` and
-resumes it).
+resumes it). The CPU job takes the same options (its own single-file checkpoints, recipes/moe_gpt_cpu.py).
 `--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
 must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full`, `--overlap-grad-reduce` or
 `--overlap-param-gather`).
@@ -234,8 +234,7 @@ def parse_args(argv=None):
             ("--distributed-optimizer", args.distributed_optimizer),
             ("--overlap-param-gather", args.overlap_param_gather), ("--ddp-bucket-size", args.ddp_bucket_size),
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
-            ("--profile-step", args.profile_step is not None), ("--save", args.save is not None),
-            ("--load", args.load is not None), ("--kill-after-step", args.kill_after_step is not None)) if asked]
+            ("--profile-step", args.profile_step is not None)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
     if args.vpp is not None and (args.vpp < 1 or args.pp < 2):

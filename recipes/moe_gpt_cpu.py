@@ -27,14 +27,22 @@ optimizer does, so the FP8 weight copies are re-made by the optimizer-step signa
 The checks are the GPU job's (recipes/moe_gpt.py `summarize`): the same initial weights in every mode, every padded
 mode's per-step losses, grad norms and final parameters equal to the unpadded mode's, and an evaluation after the
 last step that gives the same loss again with the FP8 weight copies re-made.
+Checkpoints (`--save DIR --save-interval N`, `--load DIR`, `--kill-after-step N`, as the GPU job): the module's own
+`state_dict` (Transformer Engine's per-expert keys for the experts), the FP32 main weights, AdamW's state, torch's
+RNG state and the run's records, one `torch.save` file per checkpoint in the GPU job's directory layout
+(DIR/<mode>/iter_<step>/state.pt, named by the tracker file once written). A resumed run trains the bits of an
+uninterrupted one (tests/test_recipe_moe_gpt_cpu.py kills one with SIGKILL and resumes it).
 """
 import math
+import os
+import signal
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_tma.mcore.checkpoint import TRACKER_FILE, checkpoint_dir, latest_iteration
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
 
@@ -148,6 +156,36 @@ def evaluate(model, batch):
     return float(loss)
 
 
+def save_state(directory, step, model, main, optimizer, progress):
+    """A checkpoint of the run after `step` steps; it counts once the tracker names it (both writes atomic)."""
+    path = checkpoint_dir(directory, step)
+    os.makedirs(path, exist_ok=True)
+    state = {"model": model.state_dict(), "main": [m.detach() for m in main], "optimizer": optimizer.state_dict(),
+             "rng": torch.get_rng_state(), "progress": progress, "step": step}
+    torch.save(state, os.path.join(path, "state.pt.tmp"))
+    os.replace(os.path.join(path, "state.pt.tmp"), os.path.join(path, "state.pt"))
+    with open(os.path.join(directory, TRACKER_FILE + ".tmp"), "w") as f:
+        f.write(str(step))
+    os.replace(os.path.join(directory, TRACKER_FILE + ".tmp"), os.path.join(directory, TRACKER_FILE))
+    return path
+
+
+def load_state(directory, model, main, optimizer):
+    """(step, progress) of the newest checkpoint in `directory`, loaded into the model, main weights and optimizer;
+    (0, None) without one."""
+    step = latest_iteration(directory)
+    if step is None:
+        return 0, None
+    state = torch.load(os.path.join(checkpoint_dir(directory, step), "state.pt"), weights_only=False)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        for m, saved in zip(main, state["main"]):
+            m.copy_(saved)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return step, state["progress"]
+
+
 def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
     """One mode's run on the CPU: the record recipes/moe_gpt.py's `summarize` reads (per-step losses, grad norms and
     times, digests of the initial weights and final parameters, the evaluation after the last step before and after
@@ -155,11 +193,17 @@ def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
     torch.manual_seed(args.seed)
     model = TinyMoEGPT(args, mode)
     params = list(model.parameters())
-    init_digests = [digests(model.named_parameters())]
     main = [p.detach().float().clone().requires_grad_() for p in params]  # FP32 main weights, as Megatron's
     optimizer = torch.optim.AdamW(main, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    losses, grad_norms, times = [], [], []
-    for step in range(args.steps):
+    start, progress = (load_state(os.path.join(args.load, mode), model, main, optimizer) if args.load else (0, None))
+    if progress is None:
+        progress = {"losses": [], "grad_norms": [], "times": [], "init_digests": [digests(model.named_parameters())]}
+    elif start > args.steps or len(progress["losses"]) != start:
+        raise SystemExit(f"moe_gpt.py: {args.load}/{mode} holds step {start}; this run trains {args.steps}")
+    else:
+        print(f"[{mode:9s}] resumed from {checkpoint_dir(os.path.join(args.load, mode), start)}", flush=True)
+    losses, grad_norms, times = progress["losses"], progress["grad_norms"], progress["times"]
+    for step in range(start, args.steps):
         t0 = time.perf_counter()
         for m in main:
             m.grad = torch.zeros_like(m)
@@ -186,11 +230,17 @@ def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
+        if args.save and (step + 1) % args.save_interval == 0:
+            path = save_state(os.path.join(args.save, mode), step + 1, model, main, optimizer, progress)
+            print(f"[{mode:9s}] saved {path}", flush=True)
+        if args.kill_after_step == step + 1:
+            print(f"[{mode:9s}] killed after step {step} (--kill-after-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
     eval_loss = evaluate(model, batches[0])
     experts = fp8_experts(model)
     for e in experts:
         e.invalidate_weight_cache()
     eval_requantized = evaluate(model, batches[0]) if experts else eval_loss
-    return {"losses": losses, "grad_norms": grad_norms, "times": times, "init_digests": init_digests,
-            "param_digests": [digests(model.named_parameters())], "experts_diff_vs_megatron": None,
+    return {**progress, "param_digests": [digests(model.named_parameters())], "experts_diff_vs_megatron": None,
+            "resumed_from_step": start,
             "peak_mb": None, "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": True}

@@ -103,6 +103,37 @@ def test_plot_draws_into_out_and_never_over_a_plot(recipe, cpu_run, tmp_path):
         assert "\n" not in str(e.value.code)
 
 
+def _job(*args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", RECIPE, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@needs_matplotlib
+def test_cpu_job_resumes_bit_exact_after_a_kill(tmp_path):
+    """Save during training, kill (SIGKILL), resume: the resumed run trains the bits of the uninterrupted one (every
+    step's loss and grad norm, every final parameter: `--same-bits`). Killed in mode unpadded after step 3 of 4, so
+    its checkpoint at step 2 counts and padded16 never started; the resumed run continues unpadded from step 2 and
+    trains padded16 from scratch."""
+    common = [*TINY, "--steps", "4", "--modes", "unpadded", "padded16"]
+    whole = _job(*common, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    killed = _job(*common, "--out", str(tmp_path / "killed"), "--save", str(ckpt), "--save-interval", "2",
+                  "--kill-after-step", "3")
+    assert killed.returncode != 0 and "killed after step 2" in killed.stdout, killed.stdout[-3000:]
+    assert not glob.glob(str(tmp_path / "killed" / "moe_gpt-*.json"))
+    assert (ckpt / "unpadded" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (ckpt / "padded16").exists()
+    resumed = _job(*common, "--out", str(tmp_path / "resumed"), "--load", str(ckpt))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr
+    (a,) = glob.glob(str(tmp_path / "whole" / "moe_gpt-*.json"))
+    (b,) = glob.glob(str(tmp_path / "resumed" / "moe_gpt-*.json"))
+    assert json.load(open(b))["records"]["unpadded"]["resumed_from_step"] == 2
+    same = subprocess.run([sys.executable, RECIPE, "--same-bits", a, b], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert same.returncode == 0 and same.stdout.count("the same bits") == 2, same.stdout + same.stderr
+
+
 def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
                    ["--recompute-modules", "moe_act"]):
