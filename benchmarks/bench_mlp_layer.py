@@ -117,10 +117,15 @@ class GraphStep:
     """The same training step captured once in a CUDA graph and replayed: what a step costs without the host (the
     layer is sync-free, so the whole forward + backward captures; the group sizes are read on the device, so a
     replay with new sizes in the same buffers is right: tests/test_mlp_gpu.py). With re-quantized weights the
-    capture includes the weight quantization (the cache is emptied before it), so every replay re-quantizes; with
-    cached weights the graph reads the copies the warm-up made. The gradients are the graph's own buffers."""
+    capture includes the weight quantization (as every capture of the FP8 linears does by default), so every replay
+    re-quantizes; with cached weights the linears are told to read the copies the warm-up made
+    (`graph_reuses_cached_weights`). The gradients are the graph's own buffers."""
 
     def __init__(self, step: Step, warmup: int = 2):
+        if not step.requantize:  # the cached-weights regime: the graph reads the copies (by default it quantizes)
+            for m in step.module.modules():
+                if hasattr(m, "graph_reuses_cached_weights"):
+                    m.graph_reuses_cached_weights = True
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # autograd and the libraries warm up off the capture stream

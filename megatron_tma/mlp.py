@@ -80,6 +80,11 @@ def _default_init(w: torch.Tensor) -> None:
     nn.init.normal_(w, mean=0.0, std=0.02)  # Megatron's init_method_std
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 WEIGHT_LAYOUTS = ("stacked", "per_expert")
 
 
@@ -258,6 +263,11 @@ class GroupedFP8Linear(_GroupedWeights):
         self.backend, self.pow2_scales = backend, pow2_scales
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
+        # Under CUDA-graph capture the forward quantizes the weights inside the graph, so that every replay reads
+        # FP8 copies of the weights as they are then (an optimizer updates them in place; the cache's host-side
+        # checks do not run at replay). True makes a capture read the cached copies instead: right only for a graph
+        # replayed while the weights do not change (later micro-batches of one step).
+        self.graph_reuses_cached_weights = False
 
     def _replicate_for_data_parallel(self):
         # nn.DataParallel's replicas are shallow copies of this module (its __dict__ copied): each gets a cache of
@@ -267,7 +277,7 @@ class GroupedFP8Linear(_GroupedWeights):
         return replica
 
     def _cache(self) -> FP8WeightCache:
-        if self.is_first_microbatch:
+        if self.is_first_microbatch or (not self.graph_reuses_cached_weights and capturing()):
             self.weight_cache.invalidate()
             self.is_first_microbatch = False
         return self.weight_cache

@@ -191,7 +191,7 @@ def test_a_forward_under_graph_capture_quantizes_inside_the_graph(monkeypatch):
     """Megatron's CUDA graphs replay the experts without their host-side cache checks, so a forward under capture
     must put the weight quantization in the graph: it re-quantizes even where an eager forward keeps the copies (the
     same iteration, after a backward). Capture is stood in for on the CPU (the check the experts make)."""
-    from megatron_tma.mcore import experts as mcore_experts
+    from megatron_tma import mlp
 
     experts = megatron_experts(4, make_config(), backend="reference")
     weights = [experts.linear_fc1.weight, experts.linear_fc2.weight]
@@ -205,7 +205,7 @@ def test_a_forward_under_graph_capture_quantizes_inside_the_graph(monkeypatch):
         for w in weights:
             w.data.mul_(-1.0)
     assert torch.equal(experts(x, sizes, probs)[0], out0)  # eager: the copies are kept
-    monkeypatch.setattr(mcore_experts, "_capturing", lambda: True)
+    monkeypatch.setattr(mlp, "capturing", lambda: True)
     assert not torch.equal(experts(x, sizes, probs)[0], out0)  # captured: quantized from the weights now
 
 

@@ -187,3 +187,25 @@ def test_data_parallel_replicas_get_their_own_caches(weight_layout):
         assert replica.weight_cache is not lin.weight_cache
         assert replica.weight_cache._value is None  # starts empty: nothing of the original's
         assert lin.weight_cache._value is not None  # the original keeps its own
+
+
+def test_a_forward_under_graph_capture_quantizes_inside_the_graph(gen, monkeypatch):
+    """A CUDA graph replays without the cache's host-side checks, so a forward under capture quantizes the weights
+    inside the graph (the copies a replay reads are then those of the weights at that replay), even where an eager
+    forward keeps valid-looking copies; `graph_reuses_cached_weights` makes a capture read the cached copies instead.
+    Capture is stood in for on the CPU (the check the linears make)."""
+    from megatron_tma import mlp as mlp_module
+
+    module = _mlp()
+    x, sizes, _ = _batch(gen)
+    before = module(x, sizes)[0]
+    with torch.no_grad():  # an update no signal sees (a .data write outside any optimizer step)
+        module.linear_fc1.weight.data.mul_(-1.0)
+    assert torch.equal(module(x, sizes)[0], before)  # eager: the cached copies
+    monkeypatch.setattr(mlp_module, "capturing", lambda: True)
+    for lin in (module.linear_fc1, module.linear_fc2):
+        lin.graph_reuses_cached_weights = True
+    assert torch.equal(module(x, sizes)[0], before)  # asked for: the cached copies again
+    for lin in (module.linear_fc1, module.linear_fc2):
+        lin.graph_reuses_cached_weights = False
+    assert not torch.equal(module(x, sizes)[0], before) and _fresh(module)  # captured: today's weights

@@ -236,11 +236,6 @@ def _merge_expert_shards(loaded, stacked: bool):
     return torch.stack(experts) if stacked else experts[0]
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
@@ -269,13 +264,13 @@ class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
         # (a new iteration). Forwards with the flag False and no backward since the copies were made -- a
         # pipeline's warm-up micro-batches, a recompute in backward -- keep them: re-making them there would also
         # keep one more FP8 copy of the weights alive per micro-batch in flight (each holds its W^T for dgrad).
-        # Under CUDA-graph capture (Megatron's cuda_graph_impl) always: the host checks above do not run at replay,
-        # so the graph must hold the quantization itself (every replay then re-quantizes the weights in place).
+        # Under CUDA-graph capture (Megatron's cuda_graph_impl) the linears quantize inside the graph themselves
+        # (GroupedFP8Linear.graph_reuses_cached_weights): these host checks do not run at replay.
         stepped = self._steps_seen != _optimizer_steps
         self._steps_seen = _optimizer_steps
         reset = self._backward_since_quantized and any(
             getattr(w, "grad_added_to_main_grad", None) is False for w in self.parameters())
-        if stepped or reset or _capturing():
+        if stepped or reset:
             self.invalidate_weight_cache()
             self._backward_since_quantized = False
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
