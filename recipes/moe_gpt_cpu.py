@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_tma.mcore.checkpoint import TRACKER_FILE, checkpoint_dir, latest_iteration
+from megatron_tma.mcore.checkpoint import checkpoint_dir, latest_iteration, write_tracker
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
 
@@ -164,9 +164,7 @@ def save_state(directory, step, model, main, optimizer, progress):
              "rng": torch.get_rng_state(), "progress": progress, "step": step}
     torch.save(state, os.path.join(path, "state.pt.tmp"))
     os.replace(os.path.join(path, "state.pt.tmp"), os.path.join(path, "state.pt"))
-    with open(os.path.join(directory, TRACKER_FILE + ".tmp"), "w") as f:
-        f.write(str(step))
-    os.replace(os.path.join(directory, TRACKER_FILE + ".tmp"), os.path.join(directory, TRACKER_FILE))
+    write_tracker(directory, step)
     return path
 
 

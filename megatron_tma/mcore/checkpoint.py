@@ -31,7 +31,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "save_checkpoint",
+__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "write_tracker", "save_checkpoint",
            "load_checkpoint"]
 
 OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's formats megatron-core 0.19 saves
@@ -52,6 +52,14 @@ def latest_iteration(directory: str) -> Optional[int]:
     if not text.isdigit():
         raise ValueError(f"{os.path.join(directory, TRACKER_FILE)} holds {text!r}, not an iteration number")
     return int(text)
+
+
+def write_tracker(directory: str, iteration: int) -> None:
+    """Name `iteration` the newest complete checkpoint in `directory` (atomic: never a half-written tracker)."""
+    tmp = os.path.join(directory, TRACKER_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+    os.replace(tmp, os.path.join(directory, TRACKER_FILE))
 
 
 def _model_keys(models) -> List[str]:
@@ -209,10 +217,7 @@ def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_
     dist_checkpointing.save(_state(models, optimizer, optim_format, progress, loading=False), path)
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = os.path.join(directory, TRACKER_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(directory, TRACKER_FILE))  # atomic: never a half-written tracker
+        write_tracker(directory, iteration)
     dist.barrier()
     return path
 
