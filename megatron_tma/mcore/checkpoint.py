@@ -2,8 +2,10 @@
 in Megatron's distributed checkpoint format (`torch_dist`), laid out as Megatron-LM lays its checkpoints out
 (`<dir>/iter_<7 digits>/`, `<dir>/latest_checkpointed_iteration.txt`).
 
-For runs built from megatron-core without Megatron-LM's `training` loop (recipes/moe_gpt.py); Megatron-LM's own
-`--save` / `--load` write the same entries, through the same `sharded_state_dict` methods. What is saved:
+For runs built from megatron-core without Megatron-LM's `training` loop (recipes/moe_gpt.py). The model and optimizer
+entries are the ones Megatron-LM's own `--save` writes (the same `sharded_state_dict` methods with the same
+metadata); the RNG and progress entries are this module's (Megatron-LM keys its RNG by pipeline and tensor rank, and
+keeps its iteration and arguments in its own objects). What is saved:
 * every model chunk's `sharded_state_dict()` (`model`, or `model0`, `model1`, ... with virtual pipeline stages);
   megatron_tma's experts write the entries Megatron's own experts write (megatron_tma.mcore.experts), so a
   checkpoint of either loads into the other;
