@@ -2,8 +2,8 @@
 
 For the M- and K-grouped GEMMs on tiny problems, 1000 calls back to back (wall time / calls, the GPU never the
 bottleneck), each way of calling:
-  wrapper       the public function as users call it (the fast path: C++ op first, gemm.FAST_PATH)
-  wrapper_full  the same with gemm.FAST_PATH = False (every Python check, then the op)
+  wrapper       the public function as users call it (the argument rules, then the op)
+  wrapper_groups the same with a `Groups` from check_groups (what the expert MLP passes: no group re-check)
   op            torch.ops.megatron_tma.<op> alone (C++ checks, TMA descriptors, launch)
 Usage (GPU machine):
     python3 lab/probe_host_call.py [--calls 1000] [--out DIR]
@@ -32,7 +32,7 @@ def per_call_us(fn, calls):
 
 def measure(calls):
     from megatron_tma import gemm, quant
-    from megatron_tma.groups import make_group_sizes
+    from megatron_tma.groups import check_groups, make_group_sizes
 
     dev = "cuda"
     res = {}
@@ -45,9 +45,8 @@ def measure(calls):
     op = torch.ops.megatron_tma.m_grouped_fp8_gemm_out
     res["m_wrapper"] = per_call_us(lambda: gemm.m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out), calls)
     res["m_wrapper_alloc"] = per_call_us(lambda: gemm.m_grouped_fp8_gemm(aq, a_s, wq, ws, groups), calls)
-    gemm.FAST_PATH = False
-    res["m_wrapper_full"] = per_call_us(lambda: gemm.m_grouped_fp8_gemm(aq, a_s, wq, ws, groups, out=out), calls)
-    gemm.FAST_PATH = True
+    checked = check_groups(groups, G, m_total=M)
+    res["m_wrapper_groups"] = per_call_us(lambda: gemm.m_grouped_fp8_gemm(aq, a_s, wq, ws, checked, out=out), calls)
     res["m_op"] = per_call_us(lambda: op(aq, a_s, wq, ws, groups, out, 0), calls)
     # K-grouped, FP32 out accumulated (the main_grad case)
     x = torch.randn(M, K, device=dev).bfloat16()
@@ -57,9 +56,9 @@ def measure(calls):
     c = torch.zeros(G, N, K, device=dev)
     kop = torch.ops.megatron_tma.k_grouped_fp8_gemm_out
     res["k_wrapper"] = per_call_us(lambda: gemm.k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c, accumulate=True), calls)
-    gemm.FAST_PATH = False
-    res["k_wrapper_full"] = per_call_us(lambda: gemm.k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c, accumulate=True), calls)
-    gemm.FAST_PATH = True
+    k_checked = check_groups(groups, G)
+    res["k_wrapper_groups"] = per_call_us(lambda: gemm.k_grouped_fp8_gemm(dyt, dys, xt, xs, k_checked, out=c,
+                                                                          accumulate=True), calls)
     res["k_op"] = per_call_us(lambda: kop(dyt, dys, xt, xs, groups, c, True), calls)
     # for scale: an empty torch op through the dispatcher, and an allocation
     res["torch_empty"] = per_call_us(lambda: torch.empty(M, N, dtype=torch.bfloat16, device=dev), calls)

@@ -77,20 +77,9 @@ def _kernels_on(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _op(name: str):
-    return getattr(torch.ops.megatron_tma, name).default
-
-
-def fast_op(name: str, backend: str, data):
-    """The C++ op `name` when a call on `data`'s device will run the CUDA kernels, else None.
-
-    For the wrappers' fast path: the C++ ops check every rule the Python wrappers check, so a wrapper can call
-    the op first and run its own validation (which raises the API's clearer errors) only when the op refuses.
-    Both lookups are cached: this sits on every call, and host time per call is a target.
-    """
-    if (backend != "auto" and backend != "cuda") or _C is None or not isinstance(data, torch.Tensor):
-        return None
-    return _op(name) if _kernels_on(data.device) else None
+def op(name: str):
+    """`torch.ops.megatron_tma.<name>`'s overload, looked up once (the attribute chain costs ~1 us per call)."""
+    return getattr(ops(), name).default
 
 
 def use_cuda(backend: str, device: torch.device) -> bool:
@@ -98,9 +87,9 @@ def use_cuda(backend: str, device: torch.device) -> bool:
     reference; a clear error when "cuda" is asked for and cannot run."""
     if backend == "reference":
         return False
-    if backend not in BACKENDS:
+    if backend != "auto" and backend != "cuda":
         raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-    ok = device.type == "cuda" and cuda_kernels_available(device)
+    ok = _kernels_on(device)
     if backend == "cuda" and not ok:
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")

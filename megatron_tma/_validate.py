@@ -21,10 +21,8 @@ def check_tensor(
     """Raise TypeError/ValueError with a message naming `name` and what was expected."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None:
-        dtypes = tuple(dtypes)
-        if t.dtype not in dtypes:
-            raise TypeError(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if device is not None and t.device != torch.device(device):
@@ -34,12 +32,15 @@ def check_tensor(
 
 
 def check_same_device(**tensors) -> torch.device:
-    devices = {k: v.device for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    first = next(iter(devices.values()))
-    for k, d in devices.items():
-        if d != first:
-            listing = ", ".join(f"{n} on {dv}" for n, dv in devices.items())
-            raise ValueError(f"all tensors must be on one device, got {listing}")
+    """The one device of the given tensors (None values skipped); ValueError listing them all if there are two."""
+    first = None
+    for v in tensors.values():
+        if isinstance(v, torch.Tensor):
+            if first is None:
+                first = v.device
+            elif v.device != first:
+                listing = ", ".join(f"{n} on {t.device}" for n, t in tensors.items() if isinstance(t, torch.Tensor))
+                raise ValueError(f"all tensors must be on one device, got {listing}")
     return first
 
 
@@ -50,6 +51,18 @@ def misalignment16(t: torch.Tensor) -> int:
     if torch.compiler.is_compiling():
         return t.storage_offset() * t.element_size() % 16
     return t.data_ptr() % 16
+
+
+def any_misaligned16(*tensors) -> bool:
+    """Whether any of the tensors (None skipped) starts off a 16-byte boundary: one test for a call's operands, whose
+    error `check_aligned16` then words."""
+    if torch.compiler.is_compiling():
+        return any(t is not None and misalignment16(t) for t in tensors)
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits % 16 != 0
 
 
 def check_aligned16(t: torch.Tensor, name: str, why: str) -> None:

@@ -23,6 +23,7 @@ from ._validate import check_same_device
 from .activation import (GATED, act_times_probs_backward, act_times_probs_forward, check_activation_args,
                          resolve_kernel)
 from .autograd import FP8WeightCache, Weights, check_linear_args, linear_backward, linear_forward, quantized_weights
+from .groups import Groups
 
 __all__ = ["fp8_activation_grouped_linear"]
 
@@ -38,23 +39,23 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
         need_dz = ctx.needs_input_grad[_H] or ctx.needs_input_grad[_PROBS]
         y = linear_forward(act_times_probs_forward(h, probs, activation, use_kernel), groups, q, s, backend, pow2)
         ctx.activation, ctx.use_kernel, ctx.backend, ctx.pow2 = activation, use_kernel, backend, pow2
-        ctx.num_groups, ctx.need_dw = q.shape[0], any(ctx.needs_input_grad[_WEIGHTS:])
-        ctx.save_for_backward(h, probs, groups, qt if need_dz else None, st if need_dz else None, *weights)
+        ctx.groups_meta, ctx.need_dw = groups[1:], any(ctx.needs_input_grad[_WEIGHTS:])
+        ctx.save_for_backward(h, probs, groups.tensor, qt if need_dz else None, st if need_dz else None, *weights)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         h, probs, groups, qt, st, *weights = ctx.saved_tensors
+        groups = Groups(groups, *ctx.groups_meta)
         need_dh, need_dprobs = ctx.needs_input_grad[_H], ctx.needs_input_grad[_PROBS]
         zt = zt_s = None
         if ctx.need_dw:  # the recomputation: z again, then the columns fc2's weight gradient reads
             z = act_times_probs_forward(h, probs, ctx.activation, ctx.use_kernel)
-            zt, zt_s = quant.quantize_grouped_128x1(z, groups, ctx.pow2, num_groups=ctx.num_groups,
-                                                    backend=ctx.backend)
+            zt, zt_s = quant.quantize_grouped_128x1(z, groups, ctx.pow2, backend=ctx.backend)
             del z
         dz, wgrads = linear_backward(dy, groups, zt, zt_s, qt, st, weights, need_dh or need_dprobs,
-                                     ctx.needs_input_grad[_WEIGHTS:], ctx.num_groups, ctx.backend, ctx.pow2)
+                                     ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2)
         del zt, zt_s
         dh = dprobs = None
         if dz is not None:
@@ -79,7 +80,8 @@ def fp8_activation_grouped_linear(
     Returns bf16 `[T, N]`, with gradients for h, the probs and the weights."""
     check_activation_args(h, probs, activation)
     f = h.shape[1] // 2 if activation in GATED else h.shape[1]
-    weights = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)", x_contiguous=False)
+    weights, groups = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)",
+                                        x_contiguous=False)
     if probs is not None:
         check_same_device(h=h, probs=probs)
     use_kernel = resolve_kernel(h, activation, backend)

@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm, quant
 from ._validate import check_same_device, check_tensor
-from .groups import normalize_groups
+from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = [
@@ -301,54 +301,52 @@ class _FP8GroupedLinear(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
         if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
-            xq, xs, xt, xt_s = quant.quantize_1x128_and_grouped_128x1(
-                x, groups, pow2, num_groups=q.shape[0], backend=backend)
+            xq, xs, xt, xt_s = quant.quantize_1x128_and_grouped_128x1(x, groups, pow2, backend=backend)
             y = gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
             del xq, xs
         else:
             y = linear_forward(x, groups, q, s, backend, pow2)
-        ctx.backend, ctx.pow2, ctx.num_groups = backend, pow2, q.shape[0]
-        ctx.save_for_backward(groups, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
+        ctx.backend, ctx.pow2, ctx.groups_meta = backend, pow2, groups[1:]
+        ctx.save_for_backward(groups.tensor, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, *weights = ctx.saved_tensors
-        dx, wgrads = linear_backward(dy, groups, xt, xt_s, qt, st, weights, ctx.needs_input_grad[_X],
-                                     ctx.needs_input_grad[_WEIGHTS:], ctx.num_groups, ctx.backend, ctx.pow2)
+        dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
+                                     ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2)
         return (dx, None, None, None, None, None, None, None, *wgrads)
 
 
-def linear_backward(dy, groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, num_groups, backend, pow2):
+def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2):
     """(dX or None, the weights' gradients as `_weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
     what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
-    (qt, st; None if X wants none)."""
+    (qt, st; None if X wants none). `groups` is the forward's checked description."""
     dy = dy.contiguous()
     dx = None
     need_dw = xt is not None
     # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
     # (wgrad) when both gradients are wanted, one quantizer otherwise.
     if need_dx and need_dw:
-        dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(
-            dy, groups, pow2, num_groups=num_groups, backend=backend)
+        dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(dy, groups, pow2, backend=backend)
     elif need_dx:
         dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
     elif need_dw:
-        dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, num_groups=num_groups, backend=backend)
+        dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, backend=backend)
     if need_dx:
         dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
         del dyq, dy_s
     wgrads = [None] * len(weights)
     if need_dw:
-        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, num_groups, backend)
+        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
     return dx, wgrads
 
 
-def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, num_groups, backend):
+def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
     """Route dW = dY^T . X to `.grad` (returned) or into `main_grad` (accumulated; None returned)."""
 
-    def wgrad(**kw):  # G given: the groups may be offsets [G+1]
-        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, num_groups=num_groups, **kw)
+    def wgrad(**kw):
+        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, **kw)
 
     main = [getattr(w, "main_grad", None) for w in weights]
     if all(m is None for m in main):
@@ -386,10 +384,11 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, num_groups, back
     return grads
 
 
-def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, backend: str, pow2_scales: bool,
-                      x_name: str = "x", x_contiguous: bool = True) -> Tuple[torch.Tensor, ...]:
-    """`fp8_grouped_linear`'s argument checks (TypeError / ValueError naming the argument); the weights as a
-    tuple. A caller that computes the input itself passes a stand-in of its shape as x (`x_name` names it, and
+def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, pow2_scales: bool,
+                      x_name: str = "x", x_contiguous: bool = True) -> Tuple[Tuple[torch.Tensor, ...], Groups]:
+    """`fp8_grouped_linear`'s argument checks (TypeError / ValueError naming the argument); returns the weights as a
+    tuple and the checked groups, which every quantizer and GEMM of the call (forward and backward) then takes as
+    they are. A caller that computes the input itself passes a stand-in of its shape as x (`x_name` names it, and
     `x_contiguous=False` lets it be a view)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
@@ -397,7 +396,8 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, ba
         raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
     weights = _as_weights(weight)
     check_tensor(x, x_name, (torch.bfloat16,), dim=2, contiguous=x_contiguous)
-    check_same_device(**{x_name: x, "groups": groups, "weight": weights[0]})
+    check_same_device(**{x_name: x, "groups": groups.tensor if type(groups) is Groups else groups,
+                         "weight": weights[0]})
     n, k = weights[0].shape[-2:]
     g = weights[0].shape[0] if len(weights) == 1 and weights[0].dim() == 3 else len(weights)
     if x.shape[1] != k:
@@ -410,8 +410,7 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups: torch.Tensor, ba
     check_num_groups(g, "M_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the forward's m_grouped_fp8_gemm)")
     if g > K_GROUPED_MAX_GROUPS and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
-    normalize_groups(groups, g, m_total=x.shape[0], device=x.device)
-    return weights
+    return weights, check_groups(groups, g, m_total=x.shape[0], device=x.device)
 
 
 def fp8_grouped_linear(
@@ -427,12 +426,12 @@ def fp8_grouped_linear(
 
     x: bf16 `[M, K]`, contiguous. weight: bf16 `[G, N, K]`, or a sequence of G bf16 `[N, K]` tensors.
     groups: int32/int64 sizes `[G]` or offsets `[G+1]` on x's device (never read on the host by the CUDA backend;
-    on the CPU they are checked to describe M rows). N and K must be multiples of 128: the forward contracts over
+    on the CPU they are checked to describe M rows), or a `megatron_tma.groups.Groups` from `check_groups`. N and K must be multiples of 128: the forward contracts over
     K and dgrad over N in 128-wide scaling blocks. cache: the layer's `FP8WeightCache` (None: quantize the weights
     on every call). pow2_scales: power-of-two (UE8M0) scales everywhere. Returns bf16 `[M, N]`. See the module
     docstring for where the weight gradients go.
     """
-    weights = check_linear_args(x, weight, groups, backend, pow2_scales)
+    weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
     wq = quantized_weights(weights, cache, pow2_scales, backend)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
         return linear_forward(x, groups, wq.q, wq.s, backend, pow2_scales)  # inference: nothing to save

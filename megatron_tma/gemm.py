@@ -11,21 +11,22 @@ from typing import Optional
 import torch
 
 from . import _ext
-from ._validate import FP8, check_aligned16, check_same_device, check_tensor
-from .groups import check_wgrad_columns, debug_checks_enabled, normalize_groups
+from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device, check_tensor
+from .groups import Groups, check_groups, check_wgrad_columns, debug_checks_enabled
 from .limits import check_num_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm"]
 
-# On a Hopper device the wrappers call the C++ op before any Python check: the op's TORCH_CHECKs cover every
-# rule checked here, at a fraction of the host time, and only an input the op refuses goes through the Python
-# validation below, which raises the API's clearer TypeError / ValueError (or, if it finds nothing wrong, the
-# op is called again and its own error stands). Debug checks (device group values) always take the full path.
-# False forces the full path on every call (host-time A/B in lab/probe_host_call.py).
-FAST_PATH = True
+# The argument rules live here, once, and run on every call on every backend (so code tested on the CPU runs on the
+# GPU), with the errors users see (TypeError / ValueError naming the argument). The C++ ops check the same
+# preconditions again (csrc/binding/): they are torch ops that compiled graphs call without this Python, and a kernel
+# must not read out of bounds whoever calls it. tests/test_gemm_op_preconditions_gpu.py holds the two together.
+# A `Groups` from `check_groups` is taken as checked (matched to the call's G and rows only): the expert MLP checks
+# its groups once per step.
 
 
-def _check_m_grouped_args(a, a_scales, b, b_scales):
+def _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m):
+    """The forward/dgrad rules of docs/design.md §4; returns (Groups, device, M, N)."""
     check_tensor(a, "a", (FP8,), dim=2)
     check_tensor(b, "b", (FP8,), dim=3)
     check_tensor(b_scales, "b_scales", (torch.float32,), dim=3)
@@ -40,33 +41,45 @@ def _check_m_grouped_args(a, a_scales, b, b_scales):
         raise ValueError(f"N must be a positive multiple of 16, got N={n}")
     if g < 1:
         raise ValueError("b must hold at least one group (G >= 1)")
-    check_num_groups(g, "M_GROUPED_MAX_GROUPS", "m_grouped_fp8_gemm")
-    if tuple(a_scales.shape) != (m, k // 128):
+    if g > 2048:  # (the common case skips the call)
+        check_num_groups(g, "M_GROUPED_MAX_GROUPS", "m_grouped_fp8_gemm")
+    if a_scales.shape != (m, k // 128):
         raise ValueError(f"a_scales must be [M, K/128] = {[m, k // 128]}, got {list(a_scales.shape)}")
+    ld = a_scales.stride(1)
     if m > 1 and a_scales.stride(0) != 1:
         raise ValueError(
             "a_scales must be the M-contiguous view returned by quantize_1x128 (stride (1, ld)), "
             f"got strides {a_scales.stride()}"
         )
     # (also with one K block: the TMA descriptor of a_scales has the pitch as its stride, as the op checks)
-    if m > 0 and (a_scales.stride(1) < m or a_scales.stride(1) % 4 != 0):
-        raise ValueError(f"a_scales' row pitch must be >= M and a multiple of 4, got {a_scales.stride(1)}")
-    if tuple(b_scales.shape) != (g, (n + 127) // 128, k // 128):
+    if m > 0 and (ld < m or ld % 4 != 0):
+        raise ValueError(f"a_scales' row pitch must be >= M and a multiple of 4, got {ld}")
+    if b_scales.shape != (g, (n + 127) // 128, k // 128):
         raise ValueError(
             f"b_scales must be [G, ceil(N/128), K/128] = {[g, (n + 127) // 128, k // 128]}, got {list(b_scales.shape)}"
         )
-    if m > 0:  # (with no rows nothing is read: the call returns before the kernel)
+    if block_n not in (0, 128, 192, 256):
+        raise ValueError(f"block_n must be 0 (auto), 128, 192 or 256, got {block_n!r}")
+    if block_m not in (0, 128, 192):
+        raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
+    if block_m == 192 and block_n not in (0, 128):
+        raise ValueError(f"block_m=192 tiles are 128 wide, got block_n={block_n}")
+    if out is not None:
+        check_tensor(out, "out", (torch.bfloat16,), dim=2, contiguous=False)
+        if out.shape != (m, n):
+            raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
+        if out.stride(1) != 1 or (m > 0 and (out.stride(0) % 8 != 0 or out.stride(0) < n)):
+            raise ValueError(f"out needs unit column stride and a row pitch >= N that is a multiple of 8, got "
+                             f"{out.stride()}")
+    device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales,
+                               groups=groups.tensor if type(groups) is Groups else groups, out=out)
+    groups = check_groups(groups, g, m_total=m)
+    # (with no rows nothing is read or written: the call returns before the kernel)
+    if m > 0 and any_misaligned16(a, a_scales, b, out):
         for t, name in ((a, "a"), (a_scales, "a_scales"), (b, "b")):
             check_aligned16(t, name, "TMA loads it")
-    return m, n, k, g
-
-
-def _check_k_grouped_kernel_limits(dy_t, x_t, num_groups) -> None:
-    """What the K-grouped op refuses beyond `_check_k_grouped_args`' rules (csrc/binding/k_grouped_fp8_gemm.cpp),
-    checked on every backend: the group count and the operands' 16-byte aligned starts."""
-    check_num_groups(num_groups, "K_GROUPED_MAX_GROUPS", "k_grouped_fp8_gemm")
-    check_aligned16(dy_t, "dy_t", "TMA loads it")
-    check_aligned16(x_t, "x_t", "TMA loads it")
+        check_aligned16(out, "out", "TMA stores its rows")
+    return groups, device, m, n
 
 
 def m_grouped_fp8_gemm(
@@ -83,7 +96,7 @@ def m_grouped_fp8_gemm(
     """`out[rows of g] = (a[rows of g] * sa) . (b[g] * sb)^T` in BF16, for every group g.
 
     a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
-    b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device.
+    b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device, or a `Groups`.
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
     block_m, block_n: the output tile, for tuning and comparison only (every tile gives the same bits; only the
@@ -92,39 +105,13 @@ def m_grouped_fp8_gemm(
     block_m=192 (with block_n 0 or 128) or block_m=128 (with block_n 0: 128 wide) force a tile; block_n 192 or
     256 give wider two-warpgroup tiles.
     """
-    op = _ext.fast_op("m_grouped_fp8_gemm_out", backend, a) if FAST_PATH and not debug_checks_enabled() else None
-    if op is not None:  # the op checks every rule below; on a refusal, fall through for the clear error
-        try:
-            res = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device) if out is None else out
-            op(a, a_scales, b, b_scales, groups, res, block_n, block_m)
-            return res
-        except Exception:
-            pass
-    m, n, k, g = _check_m_grouped_args(a, a_scales, b, b_scales)
-    if block_n not in (0, 128, 192, 256):
-        raise ValueError(f"block_n must be 0 (auto), 128, 192 or 256, got {block_n!r}")
-    if block_m not in (0, 128, 192):
-        raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
-    if block_m == 192 and block_n not in (0, 128):
-        raise ValueError(f"block_m=192 tiles are 128 wide, got block_n={block_n}")
-    device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales, groups=groups, out=out)
-    groups, _ = normalize_groups(groups, g, m_total=m, name="groups")
-    if out is not None:
-        check_tensor(out, "out", (torch.bfloat16,), dim=2, contiguous=False)
-        if tuple(out.shape) != (m, n):
-            raise ValueError(f"out must be [M, N] = {[m, n]}, got {list(out.shape)}")
-        if out.stride(1) != 1 or (m > 0 and (out.stride(0) % 8 != 0 or out.stride(0) < n)):
-            raise ValueError(f"out needs unit column stride and a row pitch >= N that is a multiple of 8, got "
-                             f"{out.stride()}")
-        if out.data_ptr() % 16:  # TMA stores the rows (checked on every backend, so CPU-tested code runs on the GPU)
-            raise ValueError(f"out must start 16-byte aligned (TMA stores its rows), got an address "
-                             f"{out.data_ptr() % 16} bytes past that")
+    groups, device, m, n = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
     if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
         return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
     if _ext.use_cuda(backend, device):
         if out is None:
             out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        _ext.ops().m_grouped_fp8_gemm_out(a, a_scales, b, b_scales, groups, out, block_n, block_m)
+        _ext.op("m_grouped_fp8_gemm_out")(a, a_scales, b, b_scales, groups.tensor, out, block_n, block_m)
         return out
     from . import reference
 
@@ -153,9 +140,9 @@ if _ext.has_extension():
         return None
 
 
-def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups):
+def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate, out_dtype):
     """The wgrad rules of docs/design.md §4 (metadata only, plus the groups' values where they are on the host or debug
-    checks are on); returns (groups, device, N, K, G)."""
+    checks are on); returns (Groups, device, N, K)."""
     for t, name in ((dy_t, "dy_t"), (x_t, "x_t")):
         check_tensor(t, name, (FP8,), dim=2, contiguous=False)
         if t.shape[1] > 0 and (t.stride(1) != 1 or t.stride(0) % 16 != 0 or t.stride(0) < t.shape[1]):
@@ -183,17 +170,27 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
             f"token-block scales must be [MB, N] and [MB, K] with one MB (= M_total // 128 + G); got "
             f"{list(dy_t_scales.shape)} and {list(x_t_scales.shape)} for N={n}, K={k}"
         )
+    if out_dtype is not torch.float32 and out_dtype is not torch.bfloat16:
+        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if out is not None:  # G comes from out, then num_groups, then the groups' length (sizes)
         check_tensor(out, "out", (torch.float32, torch.bfloat16), dim=3)
         if num_groups is not None and num_groups != out.shape[0]:
             raise ValueError(f"out holds G={out.shape[0]} groups but num_groups={num_groups}")
         num_groups = out.shape[0]
-    device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales, groups=groups,
-                               out=out)
+        if accumulate and out.dtype is not torch.float32:
+            raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
+    elif accumulate:
+        raise ValueError("accumulate=True needs the FP32 buffer to accumulate into as `out`")
+    device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales,
+                               groups=groups.tensor if type(groups) is Groups else groups, out=out)
     # M_total is not known here (P only bounds it), so the groups' sum is not checked against it; the host check
     # below bounds the groups by what the operands hold.
-    groups, is_offsets = normalize_groups(groups, num_groups, name="groups")
-    g = groups.numel() - int(is_offsets)
+    groups = check_groups(groups, num_groups, name="groups")
+    g = groups.num_groups
+    if out is not None and out.shape[1:] != (n, k):
+        raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
+    if g > 1024:  # (the common case skips the call)
+        check_num_groups(g, "K_GROUPED_MAX_GROUPS", "k_grouped_fp8_gemm")
     if mb < g:
         raise ValueError(f"token-block scales must have M_total // 128 + G >= G rows, got MB={mb} for G={g}"
                          + ("" if num_groups is not None else
@@ -203,9 +200,12 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
             f"inconsistent wgrad operands: P >= 16 G + 128 (MB - G) must hold (every quantize_grouped_128x1 output "
             f"has P = round_up(M_total, 16) + 16 G and MB = M_total // 128 + G), got P={p}, G={g}, MB={mb}"
         )
-    if groups.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
-        check_wgrad_columns(groups, is_offsets, p, mb)
-    return groups, device, n, k, g
+    if any_misaligned16(dy_t, x_t):
+        check_aligned16(dy_t, "dy_t", "TMA loads it")
+        check_aligned16(x_t, "x_t", "TMA loads it")
+    if groups.tensor.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
+        check_wgrad_columns(groups.tensor, groups.is_offsets, p, mb)
+    return groups, device, n, k
 
 
 def k_grouped_fp8_gemm(
@@ -234,39 +234,18 @@ def k_grouped_fp8_gemm(
     through TMA stores (and read by TMA when accumulating), any other one (e.g. a main_grad view at an odd float
     offset) element by element from registers: the same values.
     """
-    op = _ext.fast_op("k_grouped_fp8_gemm_out", backend, dy_t) if FAST_PATH and not debug_checks_enabled() else None
-    if op is not None and (out is not None or not accumulate) and out_dtype in (torch.float32, torch.bfloat16):
-        try:  # as in m_grouped_fp8_gemm; the op takes G from out
-            res = out
-            if res is None:
-                g = groups.numel() if num_groups is None else num_groups
-                res = torch.empty((g, dy_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=dy_t.device)
-            if num_groups is None or (num_groups >= 1 and res.shape[0] == num_groups):
-                op(dy_t, dy_t_scales, x_t, x_t_scales, groups, res, accumulate)
-                return res
-        except Exception:
-            pass
-    groups, device, n, k, g = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups)
-    _check_k_grouped_kernel_limits(dy_t, x_t, g)
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    groups, device, n, k = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups,
+                                                  accumulate, out_dtype)
     if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs the FP32 buffer to accumulate into as `out`")
-        out = torch.empty((g, n, k), dtype=out_dtype, device=device)
-    else:
-        if tuple(out.shape) != (g, n, k):
-            raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
-        if accumulate and out.dtype != torch.float32:
-            raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
+        out = torch.empty((groups.num_groups, n, k), dtype=out_dtype, device=device)
     if _ext.use_cuda(backend, device):
-        _ext.ops().k_grouped_fp8_gemm_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate)
+        _ext.op("k_grouped_fp8_gemm_out")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out, accumulate)
         return out
     from . import reference
 
     result = reference.k_grouped_fp8_gemm(
         dy_t, dy_t_scales, x_t, x_t_scales, groups, out=out if accumulate else None, accumulate=accumulate,
-        num_groups=g,
+        num_groups=groups.num_groups,
     )
     if result is not out:
         out.copy_(result)

@@ -5,8 +5,12 @@ A grouping is a single int32/int64 tensor on the data's device, either the sizes
 offsets per CTA (``csrc/include/megatron_tma/common/groups.cuh``), so nothing here reads a device
 tensor on the host:
 
-* ``normalize_groups`` checks dtype/rank/length/device from metadata only. Values are validated for
-  free when the tensor lives on the CPU; a device tensor is validated only with debug checks on
+* ``check_groups`` checks dtype/rank/length/device from metadata only and returns a ``Groups``: the
+  tensor with what the check found (G, sizes or offsets, the rows it was checked against). Every public
+  entry calls it; a ``Groups`` handed to another entry (the expert MLP hands one to every quantizer and GEMM
+  of its step, forward and backward) is not checked again, only matched against that call's G, rows and
+  device. Values are validated for free when the tensor lives on the CPU; a device tensor is validated only
+  with debug checks on
   (``set_debug_checks(True)`` or ``MEGATRON_TMA_DEBUG_CHECKS=1``), because that costs a host sync and
   breaks CUDA-graph capture. Without them, malformed device groups (negative sizes, sizes that do not
   sum to M_total, decreasing offsets) are clamped by the kernels -- negative sizes count as 0 and
@@ -20,7 +24,7 @@ tensor on the host:
   tests) and ``make_group_sizes`` (benchmark/test generator, CPU only).
 """
 import os
-from typing import List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -84,29 +88,59 @@ def _holds_offsets(groups: torch.Tensor, num_groups: Optional[int], name: str) -
     raise ValueError(f"{name} has {length} entries: expected G sizes or G+1 offsets with G={num_groups}")
 
 
-def normalize_groups(
+class Groups(NamedTuple):
+    """A group description that passed `check_groups`, typed: what every quantizer and GEMM takes in place of the raw
+    tensor without checking it again. Build it with `check_groups`; constructing one directly vouches for it."""
+
+    tensor: torch.Tensor  # contiguous int32/int64 sizes [G] or offsets [G+1] on the data's device
+    num_groups: int  # G
+    is_offsets: bool
+    m_total: Optional[int]  # the rows its values were checked against (None: not known at the check)
+
+
+def check_groups(
     groups,
     num_groups: Optional[int] = None,
     m_total: Optional[int] = None,
     *,
     device: Optional[Union[torch.device, str]] = None,
     name: str = "groups",
-) -> Tuple[torch.Tensor, bool]:
-    """Check a group description and say whether it holds offsets; returns ``(contiguous tensor, is_offsets)``.
+) -> Groups:
+    """Check a group description once; returns it as a `Groups`.
 
-    ``num_groups`` disambiguates: a tensor of G entries holds sizes, G+1 entries offsets. Without it the
-    tensor is taken as sizes (so offsets need ``num_groups``). ``device`` is the data's device, which
-    the groups must share. ``m_total`` (the data's row count) is only used by the value checks.
-    The dtype is kept (the kernels read int32 and int64 alike); no copy unless the tensor is strided.
+    ``groups``: an int32/int64 tensor of sizes ``[G]`` or offsets ``[G+1]``, or a `Groups` from an earlier check.
+    ``num_groups`` disambiguates: a tensor of G entries holds sizes, G+1 entries offsets. Without it the tensor is
+    taken as sizes (so offsets need ``num_groups``). ``device`` is the data's device, which the groups must share.
+    ``m_total`` (the data's row count) is what the value checks hold the sizes against. The dtype is kept (the
+    kernels read int32 and int64 alike); no copy unless the tensor is strided.
+    A `Groups` is matched against this call (G, rows, device: a few integer compares, no tensor op); its values are
+    checked only if it was checked without rows and this call knows them.
     """
+    if type(groups) is Groups:
+        if num_groups is not None and groups.num_groups != num_groups:
+            raise ValueError(f"{name} describe {groups.num_groups} groups, but this call has G={num_groups}")
+        if device is not None and not _same_device(groups.tensor.device, torch.device(device)):
+            raise ValueError(f"{name} must be on the data's device {torch.device(device)}, got {groups.tensor.device}")
+        if m_total is None or groups.m_total == m_total:
+            return groups
+        if groups.m_total is not None:
+            raise ValueError(f"{name} were checked for M_total={groups.m_total} rows, but this call's data has "
+                             f"{m_total}")
+        if groups.tensor.device.type == "cpu" or debug_checks_enabled():
+            check_groups_values(groups.tensor, groups.is_offsets, m_total, name=name)
+        return groups._replace(m_total=m_total)
     _check_group_tensor(groups, name)
     if device is not None and not _same_device(groups.device, torch.device(device)):
         raise ValueError(f"{name} must be on the data's device {torch.device(device)}, got {groups.device}")
-    is_offsets = _holds_offsets(groups, num_groups, name)
-    groups = groups.contiguous()
-    if groups.device.type == "cpu" or debug_checks_enabled():
+    length = groups.numel()
+    is_offsets = (length == num_groups + 1) if num_groups is not None and length != num_groups else False
+    if num_groups is None or num_groups < 1 or (length != num_groups and not is_offsets):
+        _holds_offsets(groups, num_groups, name)  # words the error
+    if not groups.is_contiguous():
+        groups = groups.contiguous()
+    if _debug_checks or groups.device.type == "cpu":
         check_groups_values(groups, is_offsets, m_total, name=name)
-    return groups, is_offsets
+    return Groups(groups, length - is_offsets, is_offsets, m_total)
 
 
 def _quote(pairs: List[Tuple[int, int]], what: str, limit: int = 4) -> str:
@@ -150,12 +184,13 @@ def host_group_sizes(
     device: Optional[Union[torch.device, str]] = None,
     name: str = "groups",
 ) -> List[int]:
-    """Validated group sizes as a Python list. READS ON THE HOST: for the reference and tests only."""
-    t, is_offsets = normalize_groups(groups, num_groups, m_total, device=device, name=name)
-    if t.device.type != "cpu" and not debug_checks_enabled():  # normalize skipped the values
-        check_groups_values(t, is_offsets, m_total, name=name)
-    vals = t.cpu().tolist()
-    return [vals[i + 1] - vals[i] for i in range(len(vals) - 1)] if is_offsets else vals
+    """Validated group sizes as a Python list (``groups`` a tensor or a `Groups`). READS ON THE HOST: for the
+    reference and tests only."""
+    g = check_groups(groups, num_groups, m_total, device=device, name=name)
+    if g.tensor.device.type != "cpu" and not debug_checks_enabled():  # the check skipped the values
+        check_groups_values(g.tensor, g.is_offsets, m_total, name=name)
+    vals = g.tensor.cpu().tolist()
+    return [vals[i + 1] - vals[i] for i in range(len(vals) - 1)] if g.is_offsets else vals
 
 
 def sizes_to_offsets(sizes: torch.Tensor) -> torch.Tensor:
@@ -222,10 +257,12 @@ def wgrad_pitch(m_total: int, num_groups: int) -> int:
 
 def aligned_token_offsets(groups: torch.Tensor, num_groups: Optional[int] = None) -> torch.Tensor:
     """a_g = sum_{h<g} round_up(M_h, 16) as int64 [G+1] (``a_G`` last): each group's first column in the wgrad
-    operands. ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (as ``normalize_groups``); negative
-    sizes count as 0, as in the kernels. A tensor op on the groups' device: no host read, no sync."""
-    _check_group_tensor(groups, "groups")
-    sizes = group_sizes(groups, _holds_offsets(groups, num_groups, "groups"))
+    operands. ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (as ``check_groups``), or a `Groups`;
+    negative sizes count as 0, as in the kernels. A tensor op on the groups' device: no host read, no sync."""
+    if type(groups) is not Groups:  # metadata only (the values are the kernels' business)
+        _check_group_tensor(groups, "groups")
+        groups = Groups(groups, 0, _holds_offsets(groups, num_groups, "groups"), None)
+    sizes = group_sizes(groups.tensor, groups.is_offsets)
     out = torch.zeros(sizes.numel() + 1, dtype=torch.int64, device=sizes.device)
     torch.cumsum(padded_sizes(sizes.to(torch.int64).clamp(min=0), WGRAD_ALIGN), 0, out=out[1:])
     return out
@@ -328,23 +365,3 @@ def _paper_sizes(m_total: int, G: int, gen: torch.Generator) -> torch.Tensor:
     sizes = raw * m_total // total if total > 0 else torch.zeros(G, dtype=torch.int64)
     sizes[-1] += m_total - int(sizes.sum())
     return sizes
-
-
-# Shape rules of the GEMMs (docs/design.md §4), worded once. The reference accepts any K; the kernels do not.
-def _check_multiple(op: str, what: str, value: int, multiple: int, why: str) -> None:
-    if value % multiple != 0:
-        raise ValueError(f"{op}: {what} must be a multiple of {multiple} ({why}), got {what}={value}")
-
-
-def check_m_grouped_dims(n: int, k: int, op: str = "m_grouped_fp8_gemm") -> None:
-    """Forward/dgrad Y[M, N] = A[M, K] . B[G, N, K]^T: K % 128 and N % 16."""
-    _check_multiple(op, "K", k, 128, "A and B carry one FP32 scale per 128-wide K block")
-    _check_multiple(op, "N", n, 16, "the BF16 output rows must keep TMA's 16-byte stride alignment "
-                    "and the kernel tiles N in steps of 16")
-
-
-def check_k_grouped_dims(n: int, k: int, op: str = "k_grouped_fp8_gemm") -> None:
-    """Wgrad dW[G, N, K] = dY^T[N, P] . X^T[K, P]^T (each group's token columns contracted): N % 16 and K % 16."""
-    _check_multiple(op, "N", n, 16, "the kernel tiles the rows of dY^T in steps of 16")
-    _check_multiple(op, "K", k, 16, "the output rows must keep TMA's 16-byte stride alignment "
-                    "and the kernel tiles the rows of X^T in steps of 16")

@@ -61,7 +61,7 @@ from ._validate import check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
-from .groups import normalize_groups, padded_sizes, sizes_to_offsets
+from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 
@@ -298,7 +298,9 @@ class GroupedFP8Linear(_GroupedWeights):
 class GroupedBF16Linear(_GroupedWeights):
     """The same layer in BF16 on `torch._grouped_mm` (unpadded; PyTorch's autograd). `groups` are sizes [G]."""
 
-    def forward(self, x: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups) -> torch.Tensor:
+        if type(groups) is Groups:
+            groups = groups.tensor
         ends = torch.cumsum(groups, 0, dtype=torch.int32)
         w = self.weights[0] if self.weight_layout == "stacked" else stack_weights(self.weights)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
@@ -324,7 +326,8 @@ class _GroupedMLP(nn.Module):
         self.linear_fc1 = linear(num_experts, hidden_size, fc1_out)
         self.linear_fc2 = linear(num_experts, ffn_hidden_size, hidden_size)
 
-    def _check_inputs(self, x, tokens_per_expert, probs) -> None:
+    def _check_inputs(self, x, tokens_per_expert, probs) -> Groups:
+        """The step's argument checks; returns the groups checked once for every GEMM and quantizer of the step."""
         check_tensor(x, "hidden_states", (torch.bfloat16,), dim=2)
         if x.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {list(x.shape)}")
@@ -337,13 +340,14 @@ class _GroupedMLP(nn.Module):
             raise ValueError(
                 f"tokens_per_expert must hold num_experts={self.num_experts} sizes, got {tokens_per_expert.numel()}"
             )
-        normalize_groups(tokens_per_expert, self.num_experts, m_total=x.shape[0], device=x.device,
-                         name="tokens_per_expert")
+        groups = check_groups(tokens_per_expert, self.num_experts, m_total=x.shape[0], device=x.device,
+                              name="tokens_per_expert")
         if probs is not None:
             check_tensor(probs, "permuted_probs", (torch.float32, torch.bfloat16), dim=1)
             if probs.shape[0] != x.shape[0]:
                 raise ValueError(f"permuted_probs must be [T] = [{x.shape[0]}], got {list(probs.shape)}")
             check_same_device(hidden_states=x, permuted_probs=probs)
+        return groups
 
     def _mlp(self, x, groups, probs):
         h = self.linear_fc1(x, groups)
@@ -353,8 +357,8 @@ class _GroupedMLP(nn.Module):
                 permuted_probs: Optional[torch.Tensor] = None):
         """hidden_states bf16 [T, H] (rows grouped by expert), tokens_per_expert int32/int64 [G] on their device,
         permuted_probs FP32/BF16 [T] or None. Returns (bf16 [T, H], None)."""
-        self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
-        return self._mlp(hidden_states, tokens_per_expert, permuted_probs), None
+        groups = self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
+        return self._mlp(hidden_states, groups, permuted_probs), None
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

@@ -25,7 +25,7 @@ import torch
 
 from . import _ext
 from ._validate import FP8, check_same_device, check_tensor
-from .groups import host_group_sizes, normalize_groups
+from .groups import check_groups, host_group_sizes
 from .reference import alloc_1x128_scales
 
 __all__ = [
@@ -85,8 +85,8 @@ def _check_pad_args(a, a_scales, groups, align, num_groups: Optional[int]) -> Tu
         )
     check_same_device(a=a, a_scales=a_scales)
     _check_align(align)
-    groups, _ = normalize_groups(groups, num_groups, m, device=a.device)
-    return groups, groups.numel() if num_groups is None else num_groups
+    groups = check_groups(groups, num_groups, m, device=a.device)
+    return groups.tensor, groups.num_groups
 
 
 def _check_unpad_args(y_pad, groups, padded_offsets, m_total, out) -> Tuple[torch.Tensor, torch.Tensor, int]:
@@ -101,8 +101,8 @@ def _check_unpad_args(y_pad, groups, padded_offsets, m_total, out) -> Tuple[torc
     if padded_offsets.numel() < 2:
         raise ValueError(f"padded_offsets must hold G+1 >= 2 entries, got {padded_offsets.numel()}")
     num_groups = padded_offsets.numel() - 1
-    padded_offsets, _ = normalize_groups(padded_offsets, num_groups, device=y_pad.device, name="padded_offsets")
-    groups, _ = normalize_groups(groups, num_groups, m_total, device=y_pad.device)
+    padded_offsets = check_groups(padded_offsets, num_groups, device=y_pad.device, name="padded_offsets").tensor
+    groups = check_groups(groups, num_groups, m_total, device=y_pad.device).tensor
     if out is not None:
         check_tensor(out, "out", (torch.bfloat16,), dim=2, device=y_pad.device)
         if tuple(out.shape) != (m_total, n):

@@ -28,7 +28,7 @@ import torch
 
 from . import _ext
 from ._validate import FP8, check_aligned16, check_tensor
-from .groups import normalize_groups, wgrad_pitch
+from .groups import check_groups, wgrad_pitch
 from .limits import QUANTIZE_GROUPED_MAX_GROUPS
 
 __all__ = [
@@ -81,7 +81,7 @@ def quantize_1x128(
     _check_pow2(pow2)
     _check_aligned_input(x, "x")
     if _ext.use_cuda(backend, x.device):
-        q, s = _ext.ops().quantize_1x128(x, pow2)
+        q, s = _ext.op("quantize_1x128")(x, pow2)
         return q, s
     from . import reference
 
@@ -119,11 +119,10 @@ def _check_grouped_args(x, groups, pow2, num_groups, op):
     _check_dim16(k, "K (the last dim of x)", op)
     _check_pow2(pow2)
     _check_aligned_input(x, "x")
-    groups, is_offsets = normalize_groups(groups, num_groups, m_total=m, device=x.device, name="groups")
-    G = groups.numel() - int(is_offsets)
-    if G > MAX_GROUPS:
-        raise ValueError(f"{op} supports at most {MAX_GROUPS} groups, got G={G}")
-    return groups, G
+    groups = check_groups(groups, num_groups, m_total=m, device=x.device, name="groups")
+    if groups.num_groups > MAX_GROUPS:
+        raise ValueError(f"{op} supports at most {MAX_GROUPS} groups, got G={groups.num_groups}")
+    return groups
 
 
 def quantize_grouped_128x1(
@@ -137,8 +136,8 @@ def quantize_grouped_128x1(
     """Quantize wgrad operands per column over 128-token blocks of each group, transposed.
 
     x: bf16/fp16 ``[M, K]``, contiguous, K % 16 == 0. groups: int32/int64 sizes ``[G]`` or offsets
-    ``[G+1]`` on x's device (offsets need ``num_groups=G``; see ``groups.normalize_groups``), never
-    read on the host by the CUDA backend; 1 <= G <= 8192.
+    ``[G+1]`` on x's device (offsets need ``num_groups=G``; see ``groups.check_groups``) or a ``Groups``,
+    never read on the host by the CUDA backend; 1 <= G <= 8192.
     Returns ``qt`` e4m3 ``[K, P]``, contiguous, ``P = round_up(M, 16) + 16 G`` (``groups.wgrad_pitch``):
     group g's tokens sit at columns ``[a_g, a_g + M_g)``, ``a_g = sum_{h<g} round_up(M_h, 16)``
     (``groups.aligned_token_offsets``), and every other column is 0 (the <= 15 between groups and the
@@ -146,13 +145,13 @@ def quantize_grouped_128x1(
     (``B_g`` = blocks of the groups before g), rows past the last used block 0. M == 0 gives zeros
     ``[K, 16 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
     """
-    groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
+    groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
     if _ext.use_cuda(backend, x.device):
-        qt, s = _ext.ops().quantize_grouped_128x1(x, groups, G, pow2)
+        qt, s = _ext.op("quantize_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
         return qt, s
     from . import reference
 
-    return reference.quantize_grouped_128x1(x, groups, pow2, num_groups=G)
+    return reference.quantize_grouped_128x1(x, groups, pow2, num_groups=groups.num_groups)
 
 
 def quantize_1x128_and_grouped_128x1(
@@ -169,13 +168,14 @@ def quantize_1x128_and_grouped_128x1(
     q and scales (dgrad's / the forward's operand) and the per-group transposed qt and token-block
     scales (wgrad's operand), byte for byte what the two separate calls return.
     """
-    groups, G = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
+    groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
     if _ext.use_cuda(backend, x.device):
-        q, s, qt, s_t = _ext.ops().quantize_1x128_and_grouped_128x1(x, groups, G, pow2)
+        q, s, qt, s_t = _ext.op("quantize_1x128_and_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
         return q, s, qt, s_t
     from . import reference
 
-    return reference.quantize_1x128(x, pow2) + reference.quantize_grouped_128x1(x, groups, pow2, num_groups=G)
+    return reference.quantize_1x128(x, pow2) + reference.quantize_grouped_128x1(x, groups, pow2,
+                                                                                num_groups=groups.num_groups)
 
 
 # Fake (meta) implementations: shapes and strides of the ops' outputs without running them, so that

@@ -210,7 +210,7 @@ def quantize_grouped_128x1(
     round_up(M_h, 16), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 15
     between groups and the tail [a_G, P)). ``s`` is FP32 [M//128 + G, K]: row B_g + j holds block j of
     group g, rows past the last used block are 0. M == 0 gives zeros [K, 16 G] and [G, K].
-    ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.normalize_groups).
+    ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.check_groups), or a ``Groups``.
     """
     check_tensor(x, "x", _FLOAT_INPUTS, dim=2, contiguous=False)
     M, K = x.shape
@@ -269,9 +269,9 @@ def dequantize_grouped_128x1(
 
 def _wgrad_sizes(groups, num_groups: Optional[int], p: int, mb: int, device) -> List[int]:
     """Host group sizes of wgrad operands with P token columns and MB scale rows, checked to fit both."""
-    t, is_offsets = _groups.normalize_groups(groups, num_groups, device=device)
-    sizes = _groups.host_group_sizes(t, num_groups, device=device)
-    _groups.check_wgrad_columns(t, is_offsets, p, mb)
+    g = _groups.check_groups(groups, num_groups, device=device)
+    sizes = _groups.host_group_sizes(g, num_groups, device=device)
+    _groups.check_wgrad_columns(g.tensor, g.is_offsets, p, mb)
     return sizes
 
 

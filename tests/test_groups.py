@@ -1,4 +1,4 @@
-"""megatron_tma.groups: normalization, every error message, sizes/offsets/tiles, the size generator."""
+"""megatron_tma.groups: the check, every error message, sizes/offsets/tiles, the size generator."""
 import pytest
 import torch
 from _dists import EDGE_SIZES, group_tensor
@@ -7,28 +7,29 @@ from megatron_tma import groups as G
 
 
 # ------------------------------------------------------------------------------------------------
-# normalize_groups
+# check_groups
 # ------------------------------------------------------------------------------------------------
-def test_normalize_accepts_every_format(groups_format):
+def test_check_groups_accepts_every_format(groups_format):
     sizes = [3, 0, 5, 1]
     t = group_tensor(sizes, groups_format)
-    out, is_offsets = G.normalize_groups(t, num_groups=4, m_total=9)
+    out, g, is_offsets, _ = G.check_groups(t, num_groups=4, m_total=9)
+    assert g == 4
     assert is_offsets == (groups_format[0] == "offsets")
     assert out.dtype == groups_format[1] and torch.equal(out, t)  # dtype kept, values untouched
     assert G.host_group_sizes(t, 4, 9) == sizes
 
 
-def test_normalize_without_num_groups_means_sizes():
-    out, is_offsets = G.normalize_groups(torch.tensor([0, 4, 6]), m_total=10)
+def test_check_groups_without_num_groups_means_sizes():
+    out, _, is_offsets, _ = G.check_groups(torch.tensor([0, 4, 6]), m_total=10)
     assert not is_offsets and out.tolist() == [0, 4, 6]
     # the same 3 values read as offsets of G=2 groups
-    _, is_offsets = G.normalize_groups(torch.tensor([0, 4, 6]), num_groups=2, m_total=6)
+    is_offsets = G.check_groups(torch.tensor([0, 4, 6]), num_groups=2, m_total=6).is_offsets
     assert is_offsets
 
 
-def test_normalize_makes_strided_groups_contiguous():
+def test_check_groups_makes_strided_groups_contiguous():
     t = torch.tensor([1, 9, 2, 9, 3, 9], dtype=torch.int32)[::2]
-    out, _ = G.normalize_groups(t, m_total=6)
+    out = G.check_groups(t, m_total=6).tensor
     assert out.is_contiguous() and out.tolist() == [1, 2, 3]
 
 
@@ -56,26 +57,26 @@ def test_normalize_makes_strided_groups_contiguous():
          r"offsets must end at M_total=12 \(rows of the data\), got offsets\[2\]=10"),
     ],
 )
-def test_normalize_errors(groups, kwargs, exc, match):
+def test_check_groups_errors(groups, kwargs, exc, match):
     with pytest.raises(exc, match=match):
-        G.normalize_groups(groups, **kwargs)
+        G.check_groups(groups, **kwargs)
 
 
 def test_error_messages_use_the_callers_name():
     with pytest.raises(ValueError, match=r"^tokens_per_expert: group sizes sum to 3, but the data has M_total=4"):
-        G.normalize_groups(torch.tensor([1, 2]), m_total=4, name="tokens_per_expert")
+        G.check_groups(torch.tensor([1, 2]), m_total=4, name="tokens_per_expert")
 
 
 def test_many_negative_sizes_are_summarised():
     with pytest.raises(ValueError, match=r"sizes\[0\]=-1, sizes\[1\]=-1, sizes\[2\]=-1, sizes\[3\]=-1 \(and 2 more\)"):
-        G.normalize_groups(-torch.ones(6, dtype=torch.int64))
+        G.check_groups(-torch.ones(6, dtype=torch.int64))
 
 
 def test_device_groups_are_not_read_without_debug_checks(monkeypatch):
     # A meta tensor has no data: any host read raises. Malformed values could not be noticed anyway.
     monkeypatch.delenv(G.DEBUG_ENV, raising=False)
     meta = torch.empty(5, dtype=torch.int32, device="meta")
-    out, is_offsets = G.normalize_groups(meta, num_groups=4, m_total=100, device="meta")
+    out, _, is_offsets, _ = G.check_groups(meta, num_groups=4, m_total=100, device="meta")
     assert is_offsets and out.device.type == "meta"
 
 
@@ -84,7 +85,7 @@ def test_debug_checks_read_device_tensors(debug_checks):
     # no data, so the attempted read itself is what shows up here.
     meta = torch.empty(4, dtype=torch.int64, device="meta")
     with pytest.raises(NotImplementedError, match="meta"):
-        G.normalize_groups(meta, m_total=10, device="meta")
+        G.check_groups(meta, m_total=10, device="meta")
 
 
 def test_debug_checks_switch_and_environment(monkeypatch):
@@ -280,22 +281,3 @@ def test_make_group_sizes_shapes_of_each_distribution():
 def test_make_group_sizes_errors(args, match):
     with pytest.raises(ValueError, match=match):
         G.make_group_sizes(*args)
-
-
-# ------------------------------------------------------------------------------------------------
-# GEMM shape rules
-# ------------------------------------------------------------------------------------------------
-def test_gemm_dim_checks():
-    G.check_m_grouped_dims(4096, 7168)
-    G.check_k_grouped_dims(16, 16)
-    with pytest.raises(ValueError, match=r"m_grouped_fp8_gemm: K must be a multiple of 128 \(A and B carry one FP32 "
-                                         r"scale per 128-wide K block\), got K=200"):
-        G.check_m_grouped_dims(256, 200)
-    with pytest.raises(ValueError, match=r"m_grouped_fp8_gemm: N must be a multiple of 16 .*got N=100"):
-        G.check_m_grouped_dims(100, 256)
-    with pytest.raises(ValueError, match=r"dgrad: N must be a multiple of 16"):
-        G.check_m_grouped_dims(8, 128, op="dgrad")
-    with pytest.raises(ValueError, match=r"k_grouped_fp8_gemm: N must be a multiple of 16 .*got N=24"):
-        G.check_k_grouped_dims(24, 32)
-    with pytest.raises(ValueError, match=r"k_grouped_fp8_gemm: K must be a multiple of 16 .*got K=40"):
-        G.check_k_grouped_dims(32, 40)

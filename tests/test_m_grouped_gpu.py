@@ -173,9 +173,9 @@ def test_repeatable():
 def test_op_rejects_bad_geometry():
     m, n, k, g = 256, 768, 256, 2
     _, _, (aq, a_s, b, bs, groups) = _run(m, n, k, g, "balanced", seed=1)
-    with pytest.raises(RuntimeError, match="groups must hold"):
+    with pytest.raises(ValueError, match="groups must hold"):
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, bs, groups[:1], torch.empty(m, n, dtype=torch.bfloat16, device=DEV))
-    with pytest.raises(RuntimeError, match="out must be"):
+    with pytest.raises(TypeError, match="out must be bfloat16"):
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, bs, groups, torch.empty(m, n, device=DEV))
 
 
@@ -189,7 +189,7 @@ def test_default_tile_reported_by_m_grouped_tile():
     assert m_grouped_tile(256, 2048, 8) == (128, 128)      # less than one round of tiles
     assert m_grouped_tile(65536, 4096, 8, block_m=128) == (128, 128)
     assert m_grouped_tile(1024, 256, 2000, block_m=128, block_n=192) == (128, 128)  # 2000 offsets: no room
-    with pytest.raises(RuntimeError, match="no such tile"):
+    with pytest.raises(ValueError, match="no such tile"):
         m_grouped_tile(1024, 256, 8, block_n=64)
 
 

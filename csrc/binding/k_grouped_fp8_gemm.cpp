@@ -1,5 +1,7 @@
-// torch binding of the K-grouped (weight-gradient) FP8 GEMM. Its checks cover every rule of the Python
-// wrapper (megatron_tma/gemm.py), which calls this op first and validates in Python only when it refuses.
+// torch binding of the K-grouped (weight-gradient) FP8 GEMM: checks what the kernel assumes, then launches. The
+// Python wrapper (megatron_tma/gemm.py) holds the argument rules and gives the users' errors first, on every
+// backend; these checks keep the op safe where no Python runs (torch.compile graphs, direct torch.ops calls) and
+// raise the same Python types (TypeError / ValueError).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -11,13 +13,14 @@
 namespace {
 
 void check_token_major(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat8_e4m3fn && t.dim() == 2, name,
-              " must be a 2-D float8_e4m3fn CUDA tensor [rows, P]");
-  TORCH_CHECK(t.size(0) > 0 && t.size(1) >= 16 && t.size(1) % 16 == 0 && t.stride(1) == 1 && t.stride(0) % 16 == 0 &&
-                  t.stride(0) >= t.size(1),
-              name, " must be the token-contiguous [rows, P] operand of quantize_grouped_128x1 (P a positive multiple "
-              "of 16, row pitch a multiple of 16 and >= P), got shape ", t.sizes(), " and strides ", t.strides());
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat8_e4m3fn, name, " must be float8_e4m3fn, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.is_cuda() && t.dim() == 2, name, " must be a 2-D CUDA tensor [rows, P]");
+  TORCH_CHECK_VALUE(t.size(0) > 0 && t.size(1) >= 16 && t.size(1) % 16 == 0 && t.stride(1) == 1 &&
+                        t.stride(0) % 16 == 0 && t.stride(0) >= t.size(1),
+                    name, " must be the token-contiguous [rows, P] operand of quantize_grouped_128x1 (P a positive "
+                    "multiple of 16, row pitch a multiple of 16 and >= P), got shape ", t.sizes(), " and strides ",
+                    t.strides());
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
 }
 
 void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scales, const at::Tensor& x_t,
@@ -26,32 +29,36 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
   check_token_major(dy_t, "dy_t");
   check_token_major(x_t, "x_t");
   const int64_t N = dy_t.size(0), P = dy_t.size(1), K = x_t.size(0);
-  TORCH_CHECK(x_t.size(1) == P && x_t.stride(0) == dy_t.stride(0), "dy_t and x_t must have the same columns and pitch");
-  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 3 && out.size(1) == N && out.size(2) == K &&
-                  (out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16),
-              "out must be a contiguous FP32 or BF16 [G, N, K] tensor");
-  TORCH_CHECK(!accumulate || out.scalar_type() == at::kFloat, "accumulate=True needs an FP32 out");
+  TORCH_CHECK_VALUE(x_t.size(1) == P && x_t.stride(0) == dy_t.stride(0),
+                    "dy_t and x_t must have the same columns and pitch");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+                   "out must be float32 or bfloat16, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.is_cuda() && out.is_contiguous() && out.dim() == 3 && out.size(1) == N && out.size(2) == K,
+                    "out must be a contiguous [G, N, K] tensor");
+  TORCH_CHECK_TYPE(!accumulate || out.scalar_type() == at::kFloat, "accumulate=True needs an FP32 out");
   const int64_t G = out.size(0);
-  TORCH_CHECK(G >= 1 && G <= megatron_tma::k_grouped_fp8_gemm_max_groups(), "G must be in [1, ",
-              megatron_tma::k_grouped_fp8_gemm_max_groups(), "], got ", G);
-  TORCH_CHECK(N % 16 == 0 && K % 16 == 0, "N and K must be positive multiples of 16");
+  TORCH_CHECK_VALUE(G >= 1 && G <= megatron_tma::k_grouped_fp8_gemm_max_groups(), "G must be in [1, ",
+                    megatron_tma::k_grouped_fp8_gemm_max_groups(), "], got ", G);
+  TORCH_CHECK_VALUE(N % 16 == 0 && K % 16 == 0, "N and K must be positive multiples of 16");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dy_t_scales, &x_t, &x_t_scales, &groups, &out})
-    TORCH_CHECK(t->device() == dy_t.device(), "all tensors must be on one device (", dy_t.device(), " and ",
-                t->device(), ")");
+    TORCH_CHECK_VALUE(t->device() == dy_t.device(), "all tensors must be on one device (", dy_t.device(), " and ",
+                      t->device(), ")");
   const int64_t MB = dy_t_scales.dim() == 2 ? dy_t_scales.size(0) : -1;
   for (auto* s : {&dy_t_scales, &x_t_scales}) {
-    TORCH_CHECK(s->scalar_type() == at::kFloat && s->is_contiguous() && s->dim() == 2 && s->size(0) == MB && MB >= G,
-                "token-block scales must be contiguous FP32 [M_total // 128 + G, rows]");
+    TORCH_CHECK_TYPE(s->scalar_type() == at::kFloat, "token-block scales must be float32, got ", s->scalar_type());
+    TORCH_CHECK_VALUE(s->is_contiguous() && s->dim() == 2 && s->size(0) == MB && MB >= G,
+                      "token-block scales must be contiguous [M_total // 128 + G, rows]");
   }
-  TORCH_CHECK(dy_t_scales.size(1) == N && x_t_scales.size(1) == K, "scale widths must be N and K");
-  TORCH_CHECK(P >= 16 * G + 128 * (MB - G), "the operands' ", P, " columns cannot hold M_total >= ", 128 * (MB - G),
-              " tokens of ", G, " groups starting on 16-token boundaries (P = round_up(M_total, 16) + 16 G, as "
-              "quantize_grouped_128x1 allocates)");
-  TORCH_CHECK(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous() &&
-                  (groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong) &&
-                  (groups.numel() == G || groups.numel() == G + 1),
-              "groups must be a contiguous int32/int64 CUDA tensor of G sizes or G+1 offsets");
-  TORCH_CHECK(P <= INT32_MAX && dy_t.stride(0) <= INT32_MAX && MB <= INT32_MAX, "too many tokens");
+  TORCH_CHECK_VALUE(dy_t_scales.size(1) == N && x_t_scales.size(1) == K, "scale widths must be N and K");
+  TORCH_CHECK_VALUE(P >= 16 * G + 128 * (MB - G), "the operands' ", P, " columns cannot hold M_total >= ",
+                    128 * (MB - G), " tokens of ", G, " groups starting on 16-token boundaries (P = round_up(M_total, "
+                    "16) + 16 G, as quantize_grouped_128x1 allocates)");
+  TORCH_CHECK_TYPE(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong,
+                   "groups must be int32 or int64, got ", groups.scalar_type());
+  TORCH_CHECK_VALUE(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous() &&
+                        (groups.numel() == G || groups.numel() == G + 1),
+                    "groups must be a contiguous CUDA tensor of G sizes or G+1 offsets");
+  TORCH_CHECK_VALUE(P <= INT32_MAX && dy_t.stride(0) <= INT32_MAX && MB <= INT32_MAX, "too many tokens");
   c10::cuda::CUDAGuard guard(dy_t.device());
   megatron_tma::KGroupedGemmArgs args{};
   args.a = dy_t.data_ptr();

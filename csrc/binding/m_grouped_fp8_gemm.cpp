@@ -1,6 +1,7 @@
-// torch binding of the M-grouped FP8 GEMM: checks what the kernel assumes, then launches. These checks
-// cover every rule of the Python wrapper (megatron_tma/gemm.py), which calls this op first and runs its own,
-// friendlier validation only when the op refuses the input: keep the two in step.
+// torch binding of the M-grouped FP8 GEMM: checks what the kernel assumes, then launches. The Python wrapper
+// (megatron_tma/gemm.py) holds the argument rules and gives the users' errors first, on every backend; these
+// checks keep the op safe where no Python runs (torch.compile graphs, direct torch.ops calls) and raise the same
+// Python types (TypeError / ValueError).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -14,11 +15,12 @@ namespace {
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 megatron_tma::GroupsArg groups_arg(const at::Tensor& groups, int64_t num_groups) {
-  TORCH_CHECK(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous(),
-              "groups must be a contiguous 1-D CUDA tensor");
-  TORCH_CHECK(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong, "groups must be int32 or int64");
-  TORCH_CHECK(groups.numel() == num_groups || groups.numel() == num_groups + 1, "groups must hold G=", num_groups,
-              " sizes or G+1 offsets, got ", groups.numel(), " entries");
+  TORCH_CHECK_TYPE(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong,
+                   "groups must be int32 or int64, got ", groups.scalar_type());
+  TORCH_CHECK_VALUE(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous(),
+                    "groups must be a contiguous 1-D CUDA tensor");
+  TORCH_CHECK_VALUE(groups.numel() == num_groups || groups.numel() == num_groups + 1, "groups must hold G=",
+                    num_groups, " sizes or G+1 offsets, got ", groups.numel(), " entries");
   return {groups.data_ptr(), static_cast<int>(num_groups), groups.scalar_type() == at::kLong ? 1 : 0,
           groups.numel() == num_groups + 1 ? 1 : 0};
 }
@@ -26,34 +28,39 @@ megatron_tma::GroupsArg groups_arg(const at::Tensor& groups, int64_t num_groups)
 void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, const at::Tensor& b,
                             const at::Tensor& b_scales, const at::Tensor& groups, at::Tensor& out, int64_t block_n,
                             int64_t block_m) {
-  TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kFloat8_e4m3fn && a.dim() == 2 && a.is_contiguous(),
-              "a must be a contiguous float8_e4m3fn [M, K] CUDA tensor");
-  TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kFloat8_e4m3fn && b.dim() == 3 && b.is_contiguous(),
-              "b must be a contiguous float8_e4m3fn [G, N, K] CUDA tensor");
+  TORCH_CHECK_TYPE(a.scalar_type() == at::kFloat8_e4m3fn && b.scalar_type() == at::kFloat8_e4m3fn,
+                   "a and b must be float8_e4m3fn, got ", a.scalar_type(), " and ", b.scalar_type());
+  TORCH_CHECK_TYPE(a_scales.scalar_type() == at::kFloat && b_scales.scalar_type() == at::kFloat,
+                   "a_scales and b_scales must be float32");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kBFloat16, "out must be bfloat16, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(a.is_cuda() && a.dim() == 2 && a.is_contiguous(), "a must be a contiguous [M, K] CUDA tensor");
+  TORCH_CHECK_VALUE(b.is_cuda() && b.dim() == 3 && b.is_contiguous(), "b must be a contiguous [G, N, K] CUDA tensor");
   const int64_t M = a.size(0), K = a.size(1), G = b.size(0), N = b.size(1);
-  TORCH_CHECK(b.size(2) == K, "b's K (", b.size(2), ") differs from a's K (", K, ")");
-  TORCH_CHECK(K % 128 == 0 && K > 0, "K must be a positive multiple of 128, got ", K);
-  TORCH_CHECK(N % 16 == 0 && N > 0, "N must be a positive multiple of 16, got ", N);
-  TORCH_CHECK(G <= megatron_tma::m_grouped_fp8_gemm_max_groups(), "at most ",
-              megatron_tma::m_grouped_fp8_gemm_max_groups(), " groups are supported, got ", G);
-  TORCH_CHECK(a_scales.is_cuda() && a_scales.scalar_type() == at::kFloat && a_scales.dim() == 2 &&
-                  a_scales.size(0) == M && a_scales.size(1) == K / 128 && (a_scales.stride(0) == 1 || M <= 1) &&
-                  a_scales.stride(1) >= M && a_scales.stride(1) % 4 == 0 && aligned16(a_scales),
-              "a_scales must be the [M, K/128] M-contiguous FP32 view from quantize_1x128");
-  TORCH_CHECK(b_scales.is_cuda() && b_scales.scalar_type() == at::kFloat && b_scales.is_contiguous() &&
-                  b_scales.dim() == 3 && b_scales.size(0) == G && b_scales.size(1) == (N + 127) / 128 &&
-                  b_scales.size(2) == K / 128,
-              "b_scales must be a contiguous FP32 [G, ceil(N/128), K/128] tensor");
-  TORCH_CHECK(out.is_cuda() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == M &&
-                  out.size(1) == N && out.stride(1) == 1 && out.stride(0) % 8 == 0 && aligned16(out),
-              "out must be a BF16 [M, N] tensor with unit column stride and 16-byte aligned rows");
-  TORCH_CHECK(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
-  TORCH_CHECK(block_n == 0 || block_n == 128 || block_n == 192 || block_n == 256,
-              "block_n must be 0 (auto), 128, 192 or 256, got ", block_n);
-  TORCH_CHECK(block_m == 0 || block_m == 128 || block_m == 192, "block_m must be 0 (auto), 128 or 192, got ", block_m);
-  TORCH_CHECK(block_m != 192 || block_n == 0 || block_n == 128, "block_m=192 tiles are 128 wide, got block_n=", block_n);
+  TORCH_CHECK_VALUE(b.size(2) == K, "b's K (", b.size(2), ") differs from a's K (", K, ")");
+  TORCH_CHECK_VALUE(K % 128 == 0 && K > 0, "K must be a positive multiple of 128, got ", K);
+  TORCH_CHECK_VALUE(N % 16 == 0 && N > 0, "N must be a positive multiple of 16, got ", N);
+  TORCH_CHECK_VALUE(G <= megatron_tma::m_grouped_fp8_gemm_max_groups(), "at most ",
+                    megatron_tma::m_grouped_fp8_gemm_max_groups(), " groups are supported, got ", G);
+  TORCH_CHECK_VALUE(a_scales.is_cuda() && a_scales.dim() == 2 && a_scales.size(0) == M && a_scales.size(1) == K / 128 &&
+                        (a_scales.stride(0) == 1 || M <= 1) && a_scales.stride(1) >= M &&
+                        a_scales.stride(1) % 4 == 0 && aligned16(a_scales),
+                    "a_scales must be the [M, K/128] M-contiguous view from quantize_1x128");
+  TORCH_CHECK_VALUE(b_scales.is_cuda() && b_scales.is_contiguous() && b_scales.dim() == 3 && b_scales.size(0) == G &&
+                        b_scales.size(1) == (N + 127) / 128 && b_scales.size(2) == K / 128,
+                    "b_scales must be a contiguous [G, ceil(N/128), K/128] tensor");
+  TORCH_CHECK_VALUE(out.is_cuda() && out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1 &&
+                        out.stride(0) % 8 == 0 && aligned16(out),
+                    "out must be an [M, N] tensor with unit column stride and 16-byte aligned rows");
+  TORCH_CHECK_VALUE(aligned16(a) && aligned16(b), "a and b must be 16-byte aligned");
+  TORCH_CHECK_VALUE(block_n == 0 || block_n == 128 || block_n == 192 || block_n == 256,
+                    "block_n must be 0 (auto), 128, 192 or 256, got ", block_n);
+  TORCH_CHECK_VALUE(block_m == 0 || block_m == 128 || block_m == 192, "block_m must be 0 (auto), 128 or 192, got ",
+                    block_m);
+  TORCH_CHECK_VALUE(block_m != 192 || block_n == 0 || block_n == 128, "block_m=192 tiles are 128 wide, got block_n=",
+                    block_n);
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a_scales, &b, &b_scales, &groups, &out})
-    TORCH_CHECK(t->device() == a.device(), "all tensors must be on one device (", a.device(), " and ", t->device(), ")");
+    TORCH_CHECK_VALUE(t->device() == a.device(), "all tensors must be on one device (", a.device(), " and ",
+                      t->device(), ")");
   c10::cuda::CUDAGuard guard(a.device());
   megatron_tma::MGroupedGemmArgs args{};
   args.a = a.data_ptr();
@@ -76,10 +83,10 @@ void m_grouped_fp8_gemm_out(const at::Tensor& a, const at::Tensor& a_scales, con
 // [block_m, block_n] of the tile m_grouped_fp8_gemm_out launches for these sizes (on the current device).
 std::vector<int64_t> m_grouped_fp8_gemm_tile(int64_t m_total, int64_t n, int64_t num_groups, int64_t block_n,
                                              int64_t block_m) {
-  TORCH_CHECK(m_total >= 0 && n > 0 && num_groups >= 1, "m_total >= 0, n > 0 and num_groups >= 1 are required");
+  TORCH_CHECK_VALUE(m_total >= 0 && n > 0 && num_groups >= 1, "m_total >= 0, n > 0 and num_groups >= 1 are required");
   const megatron_tma::MGroupedTileShape t = megatron_tma::m_grouped_fp8_gemm_tile(
       m_total, n, static_cast<int>(num_groups), static_cast<int>(block_m), static_cast<int>(block_n));
-  TORCH_CHECK(t.block_m != 0, "no such tile: block_m=", block_m, ", block_n=", block_n);
+  TORCH_CHECK_VALUE(t.block_m != 0, "no such tile: block_m=", block_m, ", block_n=", block_n);
   return {t.block_m, t.block_n};
 }
 

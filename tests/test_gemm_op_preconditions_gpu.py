@@ -1,26 +1,21 @@
-"""The wrappers' fast path on the H200 (megatron_tma/gemm.py, FAST_PATH): on a Hopper device the GEMM wrappers
-call the C++ op before any Python check and validate in Python only when the op refuses. That is safe only if
-the op refuses everything the Python checks refuse. Here every bad input the API documents is shown (1) to be
-refused by the op itself and (2) to still raise the wrapper's own error type and message, and valid calls give
-the same bits on both paths. Skipped without a Hopper GPU + extension."""
+"""The GEMM ops' own checks on the H200 (csrc/binding/*_gemm.cpp) against the wrappers' rules (megatron_tma/gemm.py).
+
+The wrappers hold the argument rules and run them on every call; the ops check the same preconditions again,
+because compiled graphs and direct torch.ops calls reach them without any Python. Here every bad input the API
+documents is shown (1) to be refused by the op itself, as a TypeError or ValueError, and (2) to raise the wrapper's
+own error type and message; and a call with checked `Groups` gives the bits of a call with the raw tensor.
+Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
 
 from megatron_tma import _ext, gemm
 from megatron_tma import reference as R
+from megatron_tma.groups import check_groups
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 
 DEV = "cuda"
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def full_path():
-    """Force the Python validation on every call, then restore the fast path."""
-    gemm.FAST_PATH = False
-    yield
-    gemm.FAST_PATH = True
 
 
 def _m_args(m=200, n=256, k=256, g=3, seed=0):
@@ -64,7 +59,7 @@ def test_m_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate
     out = args.pop("out", None)
     block_n, block_m = args.pop("block_n", 0), args.pop("block_m", 0)
     op_out = out if out is not None else torch.empty(200, 256, dtype=BF16, device=DEV)
-    with pytest.raises(RuntimeError):  # the op alone refuses: the fast path cannot let it through
+    with pytest.raises((TypeError, ValueError)):  # the op alone refuses: a compiled graph cannot let it through
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(
             args["a"], args["a_scales"], args["b"], args["b_scales"], args["groups"], op_out, block_n, block_m)
     with pytest.raises(exc, match=match):  # and the wrapper still says what is wrong, in its own words
@@ -76,27 +71,27 @@ def test_m_grouped_k_and_n_rules_on_gpu():
     aq, a_s = R.quantize_1x128(torch.randn(64, 128, generator=gen, device=DEV).bfloat16())
     b = torch.zeros(1, 40, 128, dtype=torch.float8_e4m3fn, device=DEV)
     groups = torch.tensor([64], device=DEV)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="N must be a positive multiple of 16"):
         torch.ops.megatron_tma.m_grouped_fp8_gemm_out(aq, a_s, b, torch.ones(1, 1, 1, device=DEV), groups,
                                                       torch.empty(64, 40, dtype=BF16, device=DEV), 0)
     with pytest.raises(ValueError, match="N must be a positive multiple of 16"):
         gemm.m_grouped_fp8_gemm(aq, a_s, b, torch.ones(1, 1, 1, device=DEV), groups)
 
 
-def test_m_grouped_fast_and_full_paths_agree(full_path):
+def test_m_grouped_checked_groups_give_the_same_bits():
     args = _m_args(m=3000, n=1408, k=1024, g=3, seed=5)
-    full = gemm.m_grouped_fp8_gemm(**args)
-    full_into = torch.full_like(full, float("nan"))
-    gemm.m_grouped_fp8_gemm(**args, out=full_into)
-    gemm.FAST_PATH = True
-    fast = gemm.m_grouped_fp8_gemm(**args)
-    fast_into = torch.full_like(full, float("nan"))
-    assert gemm.m_grouped_fp8_gemm(**args, out=fast_into) is fast_into
-    assert torch.equal(fast, full) and torch.equal(fast_into, full) and torch.equal(full_into, full)
-    # groups as a strided view: the op refuses it, the full path makes it contiguous, the result is the same
+    raw = gemm.m_grouped_fp8_gemm(**args)
+    checked = check_groups(args["groups"], 3, m_total=3000)
+    into = torch.full_like(raw, float("nan"))
+    assert gemm.m_grouped_fp8_gemm(**{**args, "groups": checked}, out=into) is into
+    assert torch.equal(into, raw)
+    # groups as a strided view: the op refuses it, the wrapper makes it contiguous, the result is the same
     strided = torch.stack([args["groups"], args["groups"]], 1)[:, 0]
     assert not strided.is_contiguous()
-    assert torch.equal(gemm.m_grouped_fp8_gemm(**{**args, "groups": strided}), full)
+    with pytest.raises(ValueError, match="groups must be a contiguous"):
+        torch.ops.megatron_tma.m_grouped_fp8_gemm_out(args["a"], args["a_scales"], args["b"], args["b_scales"],
+                                                      strided, torch.empty_like(raw), 0, 0)
+    assert torch.equal(gemm.m_grouped_fp8_gemm(**{**args, "groups": strided}), raw)
 
 
 def _k_args(sizes=(100, 0, 60), n=64, k=128, seed=2):
@@ -155,7 +150,7 @@ def test_k_grouped_bad_input_refused_by_op_and_explained_by_wrapper(name, mutate
     out, accumulate = args.pop("out", None), args.pop("accumulate", False)
     out_dtype, num_groups = args.pop("out_dtype", torch.float32), args.pop("num_groups", None)
     op_out = out if out is not None else torch.zeros(3, 64, 128, dtype=out_dtype, device=DEV)
-    with pytest.raises(RuntimeError):
+    with pytest.raises((TypeError, ValueError)):
         torch.ops.megatron_tma.k_grouped_fp8_gemm_out(
             args["dy_t"], args["dy_t_scales"], args["x_t"], args["x_t_scales"], args["groups"], op_out, accumulate)
     with pytest.raises(exc, match=match):
@@ -182,25 +177,25 @@ def test_k_grouped_accumulate_needs_out_on_gpu():
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, BF16])
-def test_k_grouped_fast_and_full_paths_agree(full_path, out_dtype):
+def test_k_grouped_checked_groups_and_offsets_give_the_same_bits(out_dtype):
     args = _k_args(sizes=(700, 0, 129, 1000), n=256, k=384, seed=7)
-    full = gemm.k_grouped_fp8_gemm(**args, out_dtype=out_dtype)
-    c = torch.randn(full.shape, device=DEV)
-    full_acc = gemm.k_grouped_fp8_gemm(**args, out=c.clone(), accumulate=True)
-    gemm.FAST_PATH = True
-    fast = gemm.k_grouped_fp8_gemm(**args, out_dtype=out_dtype)
-    fast_acc = c.clone()
-    assert gemm.k_grouped_fp8_gemm(**args, out=fast_acc, accumulate=True) is fast_acc
-    assert fast.dtype == out_dtype and torch.equal(fast, full) and torch.equal(fast_acc, full_acc)
-    # offsets [G+1]: the fast path allocates out with G = num_groups; the op then reads them as offsets
+    raw = gemm.k_grouped_fp8_gemm(**args, out_dtype=out_dtype)
+    c = torch.randn(raw.shape, device=DEV)
+    raw_acc = gemm.k_grouped_fp8_gemm(**args, out=c.clone(), accumulate=True)
+    checked = check_groups(args["groups"], 4)
+    got = gemm.k_grouped_fp8_gemm(**{**args, "groups": checked}, out_dtype=out_dtype)
+    got_acc = c.clone()
+    assert gemm.k_grouped_fp8_gemm(**{**args, "groups": checked}, out=got_acc, accumulate=True) is got_acc
+    assert got.dtype == out_dtype and torch.equal(got, raw) and torch.equal(got_acc, raw_acc)
+    # offsets [G+1]: out is allocated with G = num_groups, and the op reads them as offsets
     offsets = torch.cat([args["groups"].new_zeros(1), args["groups"].cumsum(0)])
-    fast_offsets = gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=4, out_dtype=out_dtype)
-    assert fast_offsets.shape == full.shape and torch.equal(fast_offsets, full)
+    from_offsets = gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=4, out_dtype=out_dtype)
+    assert from_offsets.shape == raw.shape and torch.equal(from_offsets, raw)
 
 
 def test_torch_compile_runs_the_ops_and_the_wrappers():
     """The ops' fake implementations let torch.compile trace them with no graph break (they mutate `out`), and the
-    wrappers (fast path included: its try/except and cached lookups may break the graph) give the eager bits."""
+    wrappers (their checks run at trace time; the cached op lookup may break the graph) give the eager bits."""
     m_args = _m_args(m=1000, n=384, k=256, g=3, seed=9)
     k_args = _k_args(sizes=(300, 0, 200), n=128, k=256, seed=9)
     ops = _ext.ops()
