@@ -52,7 +52,7 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
         zt = zt_s = None
         if ctx.need_dw:  # the recomputation: z again, then the columns fc2's weight gradient reads
             z = act_times_probs_forward(h, probs, ctx.activation, ctx.use_kernel)
-            zt, zt_s = quant.quantize_grouped_128x1(z, groups, ctx.pow2, backend=ctx.backend)
+            zt, zt_s = quant.run_grouped_128x1(z, groups, ctx.pow2, ctx.backend)
             del z
         dz, wgrads = linear_backward(dy, groups, zt, zt_s, qt, st, weights, need_dh or need_dprobs,
                                      ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2)

@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm, quant
-from ._validate import check_same_device, check_tensor
+from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
@@ -287,8 +287,8 @@ _X, _WEIGHTS = 0, 8
 
 def linear_forward(x, groups, q, s, backend, pow2):
     """Y = grouped(X . W^T) in FP8: X quantized 1x128, the M-grouped GEMM; nothing kept for backward."""
-    xq, xs = quant.quantize_1x128(x, pow2, backend=backend)
-    return gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
+    xq, xs = quant.run_1x128(x, pow2, backend)
+    return gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
 
 
 class _FP8GroupedLinear(torch.autograd.Function):
@@ -301,8 +301,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
         if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
-            xq, xs, xt, xt_s = quant.quantize_1x128_and_grouped_128x1(x, groups, pow2, backend=backend)
-            y = gemm.m_grouped_fp8_gemm(xq, xs, q, s, groups, backend=backend)
+            xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
+            y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
             del xq, xs
         else:
             y = linear_forward(x, groups, q, s, backend, pow2)
@@ -323,18 +323,20 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
     what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
     (qt, st; None if X wants none). `groups` is the forward's checked description."""
     dy = dy.contiguous()
+    if misalignment16(dy):  # (autograd may hand a view at any offset; the quantizers read 16-byte vectors)
+        dy = dy.clone()
     dx = None
     need_dw = xt is not None
     # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
     # (wgrad) when both gradients are wanted, one quantizer otherwise.
     if need_dx and need_dw:
-        dyq, dy_s, dyt, dyt_s = quant.quantize_1x128_and_grouped_128x1(dy, groups, pow2, backend=backend)
+        dyq, dy_s, dyt, dyt_s = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
     elif need_dx:
-        dyq, dy_s = quant.quantize_1x128(dy, pow2, backend=backend)
+        dyq, dy_s = quant.run_1x128(dy, pow2, backend)
     elif need_dw:
-        dyt, dyt_s = quant.quantize_grouped_128x1(dy, groups, pow2, backend=backend)
+        dyt, dyt_s = quant.run_grouped_128x1(dy, groups, pow2, backend)
     if need_dx:
-        dx = gemm.m_grouped_fp8_gemm(dyq, dy_s, qt, st, groups, backend=backend)
+        dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
         del dyq, dy_s
     wgrads = [None] * len(weights)
     if need_dw:
@@ -346,7 +348,7 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
     """Route dW = dY^T . X to `.grad` (returned) or into `main_grad` (accumulated; None returned)."""
 
     def wgrad(**kw):
-        return gemm.k_grouped_fp8_gemm(dyt, dyt_s, xt, xt_s, groups, backend=backend, **kw)
+        return gemm.run_k_grouped(dyt, dyt_s, xt, xt_s, groups, backend=backend, **kw)
 
     main = [getattr(w, "main_grad", None) for w in weights]
     if all(m is None for m in main):
@@ -410,6 +412,8 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, po
     check_num_groups(g, "M_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the forward's m_grouped_fp8_gemm)")
     if g > K_GROUPED_MAX_GROUPS and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
         check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
+    if x_contiguous and x.numel():  # what the quantizers need of it (an x computed by the caller is a fresh tensor)
+        check_aligned16(x, x_name, "the quantizers read rows as 16-byte vectors")
     return weights, check_groups(groups, g, m_total=x.shape[0], device=x.device)
 
 

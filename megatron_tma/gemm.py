@@ -15,14 +15,15 @@ from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device
 from .groups import Groups, check_groups, check_wgrad_columns, debug_checks_enabled
 from .limits import check_num_groups
 
-__all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm"]
+__all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "run_m_grouped", "run_k_grouped"]
 
 # The argument rules live here, once, and run on every call on every backend (so code tested on the CPU runs on the
 # GPU), with the errors users see (TypeError / ValueError naming the argument). The C++ ops check the same
 # preconditions again (csrc/binding/): they are torch ops that compiled graphs call without this Python, and a kernel
 # must not read out of bounds whoever calls it. tests/test_gemm_op_preconditions_gpu.py holds the two together.
-# A `Groups` from `check_groups` is taken as checked (matched to the call's G and rows only): the expert MLP checks
-# its groups once per step.
+# A `Groups` from `check_groups` is taken as checked (matched to the call's G and rows only). The autograd Functions
+# check their own arguments once at entry and then run `run_m_grouped` / `run_k_grouped` (and quant's `run_*`) on
+# operands they made themselves, which no rule needs to see again.
 
 
 def _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m):
@@ -105,7 +106,15 @@ def m_grouped_fp8_gemm(
     block_m=192 (with block_n 0 or 128) or block_m=128 (with block_n 0: 128 wide) force a tile; block_n 192 or
     256 give wider two-warpgroup tiles.
     """
-    groups, device, m, n = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
+    groups, _, _, _ = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
+    return run_m_grouped(a, a_scales, b, b_scales, groups, out, backend, block_n, block_m)
+
+
+def run_m_grouped(a, a_scales, b, b_scales, groups: Groups, out=None, backend="auto", block_n=0, block_m=0):
+    """`m_grouped_fp8_gemm` on arguments that are valid by construction (the package's own quantizer outputs and
+    checked `Groups`, as the autograd Functions hold them after their entry checks): no argument rules run here.
+    The op's precondition checks still guard the kernel."""
+    m, n, device = a.shape[0], b.shape[1], a.device
     if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
         return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
     if _ext.use_cuda(backend, device):
@@ -234,10 +243,18 @@ def k_grouped_fp8_gemm(
     through TMA stores (and read by TMA when accumulating), any other one (e.g. a main_grad view at an odd float
     offset) element by element from registers: the same values.
     """
-    groups, device, n, k = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups,
-                                                  accumulate, out_dtype)
+    groups, _, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate,
+                                            out_dtype)
+    return run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, out_dtype, backend)
+
+
+def run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups: Groups, out=None, accumulate=False,
+                  out_dtype=torch.float32, backend="auto"):
+    """`k_grouped_fp8_gemm` on arguments that are valid by construction (as `run_m_grouped`): no argument rules
+    run here; the op's precondition checks still guard the kernel."""
+    device = dy_t.device
     if out is None:
-        out = torch.empty((groups.num_groups, n, k), dtype=out_dtype, device=device)
+        out = torch.empty((groups.num_groups, dy_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=device)
     if _ext.use_cuda(backend, device):
         _ext.op("k_grouped_fp8_gemm_out")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out, accumulate)
         return out

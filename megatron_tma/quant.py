@@ -28,7 +28,7 @@ import torch
 
 from . import _ext
 from ._validate import FP8, check_aligned16, check_tensor
-from .groups import check_groups, wgrad_pitch
+from .groups import Groups, check_groups, wgrad_pitch
 from .limits import QUANTIZE_GROUPED_MAX_GROUPS
 
 __all__ = [
@@ -80,6 +80,12 @@ def quantize_1x128(
     _check_dim16(x.shape[1], "K (the last dim of x)", "quantize_1x128")
     _check_pow2(pow2)
     _check_aligned_input(x, "x")
+    return run_1x128(x, pow2, backend)
+
+
+def run_1x128(x: torch.Tensor, pow2: bool, backend: str):
+    """`quantize_1x128` without its argument rules, for callers whose x passed them already (the autograd Functions'
+    entry checks); the op's precondition checks still guard the kernel."""
     if _ext.use_cuda(backend, x.device):
         q, s = _ext.op("quantize_1x128")(x, pow2)
         return q, s
@@ -146,6 +152,11 @@ def quantize_grouped_128x1(
     ``[K, 16 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
     """
     groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
+    return run_grouped_128x1(x, groups, pow2, backend)
+
+
+def run_grouped_128x1(x: torch.Tensor, groups: Groups, pow2: bool, backend: str):
+    """`quantize_grouped_128x1` without its argument rules (as `run_1x128`)."""
     if _ext.use_cuda(backend, x.device):
         qt, s = _ext.op("quantize_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
         return qt, s
@@ -169,6 +180,11 @@ def quantize_1x128_and_grouped_128x1(
     scales (wgrad's operand), byte for byte what the two separate calls return.
     """
     groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
+    return run_1x128_and_grouped_128x1(x, groups, pow2, backend)
+
+
+def run_1x128_and_grouped_128x1(x: torch.Tensor, groups: Groups, pow2: bool, backend: str):
+    """`quantize_1x128_and_grouped_128x1` without its argument rules (as `run_1x128`)."""
     if _ext.use_cuda(backend, x.device):
         q, s, qt, s_t = _ext.op("quantize_1x128_and_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
         return q, s, qt, s_t

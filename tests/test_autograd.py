@@ -371,20 +371,41 @@ def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
     """X^T is quantized (and saved) only when a weight needs a gradient, and then in the same pass as the X rows;
     the W^T copy only feeds dgrad; a backward that needs both gradients quantizes dY once, in the fused pass."""
     calls = []
-    for name in ("quantize_1x128", "quantize_grouped_128x1", "quantize_1x128_and_grouped_128x1"):
+    for name in ("run_1x128", "run_grouped_128x1", "run_1x128_and_grouped_128x1"):  # what the Function runs
         real = getattr(quant, name)
         monkeypatch.setattr(quant, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     x, w, sizes, dy = _linear_case(gen)
     with torch.no_grad():
         fp8_grouped_linear(x, w.clone().requires_grad_(), sizes, backend="reference")
-    assert calls == ["quantize_1x128"]  # inference: X rows only
+    assert calls == ["run_1x128"]  # inference: X rows only
     calls.clear()
     y, dx = _linear_grads(x, w, sizes, dy)  # frozen weights: dgrad only
-    assert calls == ["quantize_1x128", "quantize_1x128"] and dx is not None  # X rows, dY rows
+    assert calls == ["run_1x128", "run_1x128"] and dx is not None  # X rows, dY rows
     calls.clear()
     _linear_grads(x, w.clone().requires_grad_(), sizes, dy)
     # forward: X rows and X^T columns from one pass; backward: dY rows and columns from one pass
-    assert calls == ["quantize_1x128_and_grouped_128x1", "quantize_1x128_and_grouped_128x1"]
+    assert calls == ["run_1x128_and_grouped_128x1", "run_1x128_and_grouped_128x1"]
+
+
+def test_an_output_gradient_at_any_offset_is_taken(gen):
+    """The quantizers read 16-byte vectors; a dY view that starts off that boundary is copied, not refused (before
+    the Function ran its quantizers on the operands it made, the public quantizer's rule refused it)."""
+    x, w, sizes, dy = _linear_case(gen)
+    odd = torch.empty(dy.numel() + 1, dtype=dy.dtype)[1:].view_as(dy)
+    odd.copy_(dy)
+    assert odd.data_ptr() % 16 != 0
+    w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
+    y1, dx1 = _linear_grads(x, w1, sizes, dy)
+    y2, dx2 = _linear_grads(x, w2, sizes, odd)
+    assert torch.equal(dx1, dx2) and torch.equal(w1.grad, w2.grad)
+
+
+def test_a_misaligned_input_gets_the_quantizers_error_on_every_backend(gen):
+    x, w, sizes, _ = _linear_case(gen)
+    odd = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x)
+    odd.copy_(x)
+    with pytest.raises(ValueError, match=r"x must start 16-byte aligned \(the quantizers read rows as 16-byte"):
+        fp8_grouped_linear(odd, w, sizes, backend="reference")
 
 
 @pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])

@@ -187,10 +187,19 @@ def test_the_gemms_take_checked_groups_without_checking_them_again(raw_checks):
 
 
 @pytest.mark.parametrize("recompute_activation", [False, True])
-def test_the_expert_mlp_checks_its_groups_once_per_step(raw_checks, recompute_activation):
-    """Forward and backward of the FP8 expert MLP (2 linears: 4 quantizer and 6 GEMM calls) check the raw
-    tokens_per_expert once; everything after takes the `Groups`."""
+def test_the_expert_mlp_checks_its_arguments_once_per_step(raw_checks, recompute_activation, monkeypatch):
+    """Forward and backward of the FP8 expert MLP (2 linears: 4-5 quantizer and 6 GEMM calls) check the raw
+    tokens_per_expert once; the quantizers and GEMMs then run on the `Groups` and on operands the step made itself,
+    without their public argument rules."""
+    from megatron_tma import quant
     from megatron_tma.mlp import GroupedFP8MLP
+
+    rule_runs = []
+    for module, name in ((gemm, "_check_m_grouped_args"), (gemm, "_check_k_grouped_args"),
+                         (quant, "_check_grouped_args"), (quant, "_check_aligned_input")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: (rule_runs.append(_name),
+                                                                                     _real(*a, **k))[1])
 
     torch.manual_seed(0)
     mlp = GroupedFP8MLP(3, 128, 128, backend="reference", recompute_activation=recompute_activation)
@@ -201,5 +210,6 @@ def test_the_expert_mlp_checks_its_groups_once_per_step(raw_checks, recompute_ac
     y, _ = mlp(x, tokens, probs)
     y.float().square().sum().backward()
     assert raw_checks == ["tokens_per_expert"]
+    assert rule_runs == ["_check_aligned_input"] * 2  # each linear's weight quantization (once per weight version)
     assert x.grad is not None and probs.grad is not None
     assert all(p.grad is not None for p in mlp.parameters())
