@@ -430,10 +430,10 @@ def fp8_grouped_linear(
 
     x: bf16 `[M, K]`, contiguous. weight: bf16 `[G, N, K]`, or a sequence of G bf16 `[N, K]` tensors.
     groups: int32/int64 sizes `[G]` or offsets `[G+1]` on x's device (never read on the host by the CUDA backend;
-    on the CPU they are checked to describe M rows), or a `megatron_tma.groups.Groups` from `check_groups`. N and K must be multiples of 128: the forward contracts over
-    K and dgrad over N in 128-wide scaling blocks. cache: the layer's `FP8WeightCache` (None: quantize the weights
-    on every call). pow2_scales: power-of-two (UE8M0) scales everywhere. Returns bf16 `[M, N]`. See the module
-    docstring for where the weight gradients go.
+    on the CPU they are checked to describe M rows), or a `megatron_tma.groups.Groups` from `check_groups`. N and K
+    must be multiples of 128: the forward contracts over K and dgrad over N in 128-wide scaling blocks. cache: the
+    layer's `FP8WeightCache` (None: quantize the weights on every call). pow2_scales: power-of-two (UE8M0) scales
+    everywhere. Returns bf16 `[M, N]`. See the module docstring for where the weight gradients go.
     """
     weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
     wq = quantized_weights(weights, cache, pow2_scales, backend)

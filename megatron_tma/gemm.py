@@ -13,7 +13,7 @@ import torch
 from . import _ext
 from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device, check_tensor
 from .groups import Groups, check_groups, check_wgrad_columns, debug_checks_enabled
-from .limits import check_num_groups
+from .limits import K_GROUPED_MAX_GROUPS, M_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "run_m_grouped", "run_k_grouped"]
 
@@ -42,7 +42,7 @@ def _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_
         raise ValueError(f"N must be a positive multiple of 16, got N={n}")
     if g < 1:
         raise ValueError("b must hold at least one group (G >= 1)")
-    if g > 2048:  # (the common case skips the call)
+    if g > M_GROUPED_MAX_GROUPS:
         check_num_groups(g, "M_GROUPED_MAX_GROUPS", "m_grouped_fp8_gemm")
     if a_scales.shape != (m, k // 128):
         raise ValueError(f"a_scales must be [M, K/128] = {[m, k // 128]}, got {list(a_scales.shape)}")
@@ -97,7 +97,8 @@ def m_grouped_fp8_gemm(
     """`out[rows of g] = (a[rows of g] * sa) . (b[g] * sb)^T` in BF16, for every group g.
 
     a: e4m3 `[M, K]`; a_scales: the `[M, K/128]` view from `quantize_1x128`; b: e4m3 `[G, N, K]`;
-    b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device, or a `Groups`.
+    b_scales: FP32 `[G, ceil(N/128), K/128]`; groups: int32/int64 sizes `[G]` or offsets `[G+1]` on a's device,
+    or a `Groups` from `check_groups`.
     out: optional BF16 `[M, N]` (unit column stride, row pitch a multiple of 8, 16-byte aligned start; may be a
     row slice of a larger buffer). Rows are written only inside groups; nothing outside `out` is touched.
     block_m, block_n: the output tile, for tuning and comparison only (every tile gives the same bits; only the
@@ -198,7 +199,7 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
     g = groups.num_groups
     if out is not None and out.shape[1:] != (n, k):
         raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
-    if g > 1024:  # (the common case skips the call)
+    if g > K_GROUPED_MAX_GROUPS:
         check_num_groups(g, "K_GROUPED_MAX_GROUPS", "k_grouped_fp8_gemm")
     if mb < g:
         raise ValueError(f"token-block scales must have M_total // 128 + G >= G rows, got MB={mb} for G={g}"

@@ -133,9 +133,10 @@ def check_groups(
     if device is not None and not _same_device(groups.device, torch.device(device)):
         raise ValueError(f"{name} must be on the data's device {torch.device(device)}, got {groups.device}")
     length = groups.numel()
-    is_offsets = (length == num_groups + 1) if num_groups is not None and length != num_groups else False
-    if num_groups is None or num_groups < 1 or (length != num_groups and not is_offsets):
-        _holds_offsets(groups, num_groups, name)  # words the error
+    if num_groups is not None and num_groups >= 1 and (length == num_groups or length == num_groups + 1):
+        is_offsets = length == num_groups + 1
+    else:  # no G (sizes), or an error to word
+        is_offsets = _holds_offsets(groups, num_groups, name)
     if not groups.is_contiguous():
         groups = groups.contiguous()
     if _debug_checks or groups.device.type == "cpu":
