@@ -31,13 +31,18 @@ __all__ = ["fp8_activation_grouped_linear"]
 _H, _PROBS, _WEIGHTS = 0, 1, 11
 
 
+def _z(h, probs, activation, use_kernel):
+    """act(h) * probs as the quantizers read it: contiguous (the torch path keeps a strided h's layout)."""
+    return act_times_probs_forward(h, probs, activation, use_kernel).contiguous()
+
+
 class _FP8ActivationGroupedLinear(torch.autograd.Function):
     """y = grouped(act(h) * probs . W^T), saving h and the probs; see the module docstring."""
 
     @staticmethod
     def forward(ctx, h, probs, groups, q, s, qt, st, activation, use_kernel, backend, pow2, *weights):
         need_dz = ctx.needs_input_grad[_H] or ctx.needs_input_grad[_PROBS]
-        y = linear_forward(act_times_probs_forward(h, probs, activation, use_kernel), groups, q, s, backend, pow2)
+        y = linear_forward(_z(h, probs, activation, use_kernel), groups, q, s, backend, pow2)
         ctx.activation, ctx.use_kernel, ctx.backend, ctx.pow2 = activation, use_kernel, backend, pow2
         ctx.groups_meta, ctx.need_dw = groups[1:], any(ctx.needs_input_grad[_WEIGHTS:])
         ctx.save_for_backward(h, probs, groups.tensor, qt if need_dz else None, st if need_dz else None, *weights)
@@ -51,7 +56,7 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
         need_dh, need_dprobs = ctx.needs_input_grad[_H], ctx.needs_input_grad[_PROBS]
         zt = zt_s = None
         if ctx.need_dw:  # the recomputation: z again, then the columns fc2's weight gradient reads
-            z = act_times_probs_forward(h, probs, ctx.activation, ctx.use_kernel)
+            z = _z(h, probs, ctx.activation, ctx.use_kernel)
             zt, zt_s = quant.run_grouped_128x1(z, groups, ctx.pow2, ctx.backend)
             del z
         dz, wgrads = linear_backward(dy, groups, zt, zt_s, qt, st, weights, need_dh or need_dprobs,
@@ -89,7 +94,7 @@ def fp8_activation_grouped_linear(
     wants_grad = h.requires_grad or (probs is not None and probs.requires_grad) or any(w.requires_grad
                                                                                         for w in weights)
     if not torch.is_grad_enabled() or not wants_grad:  # inference: nothing to save
-        z = act_times_probs_forward(h, probs, activation, use_kernel)
+        z = _z(h, probs, activation, use_kernel)
         return linear_forward(z, groups, wq.q, wq.s, backend, pow2_scales)
     return _FP8ActivationGroupedLinear.apply(h, probs, groups, wq.q, wq.s, wq.qt, wq.st, activation, use_kernel,
                                              backend, pow2_scales, *weights)

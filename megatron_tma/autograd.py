@@ -359,7 +359,7 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
         raise ValueError("either every weight of a grouped linear has a main_grad attribute or none has")
     shape = weights[0].shape
     for i, m in enumerate(main):
-        check_tensor(m, f"main_grad of weight {i}", MAIN_GRAD_DTYPES, contiguous=False)
+        check_tensor(m, f"main_grad of weight {i}", MAIN_GRAD_DTYPES, device=weights[i].device, contiguous=False)
         if m.shape != shape:
             raise ValueError(
                 f"main_grad of weight {i} must have the weight's shape {tuple(shape)}, got {tuple(m.shape)}"

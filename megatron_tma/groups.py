@@ -117,6 +117,12 @@ def check_groups(
     checked only if it was checked without rows and this call knows them.
     """
     if type(groups) is Groups:
+        t = groups.tensor  # its own metadata first (integer compares): a hand-built one may not fit itself
+        if (t.dtype not in GROUP_DTYPES or t.dim() != 1 or not t.is_contiguous()
+                or t.numel() != groups.num_groups + groups.is_offsets or groups.num_groups < 1):
+            raise ValueError(f"{name}: a Groups whose tensor does not match it (dtype {t.dtype}, shape "
+                             f"{tuple(t.shape)}, G={groups.num_groups}, is_offsets={groups.is_offsets}); build it "
+                             "with check_groups")
         if num_groups is not None and groups.num_groups != num_groups:
             raise ValueError(f"{name} describe {groups.num_groups} groups, but this call has G={num_groups}")
         if device is not None and not _same_device(groups.tensor.device, torch.device(device)):

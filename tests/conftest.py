@@ -76,3 +76,25 @@ def megatron_cpu(tmp_path_factory):
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def quantizer_preconditions(monkeypatch):
+    """The C++ quantizers' preconditions on their data input (contiguous, 16-byte aligned), asserted on the CPU: the
+    package's internal `quant.run_*` calls skip the public rules, so whatever reaches them must already satisfy what
+    the ops refuse on a GPU (csrc/binding/quantize.cpp). Returns the list of the inputs' (name, strides) seen."""
+    from megatron_tma import quant
+
+    seen = []
+    for name in ("run_1x128", "run_grouped_128x1", "run_1x128_and_grouped_128x1"):
+        real = getattr(quant, name)
+
+        def checked(x, *args, _real=real, _name=name, **kwargs):
+            seen.append((_name, x.stride()))
+            assert x.is_contiguous(), f"{_name}: the op refuses a non-contiguous x (strides {x.stride()})"
+            assert x.numel() == 0 or x.data_ptr() % 16 == 0, f"{_name}: the op refuses an x off a 16-byte boundary"
+            return _real(x, *args, **kwargs)
+
+        monkeypatch.setattr(quant, name, checked)
+    return seen
+

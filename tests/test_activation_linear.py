@@ -169,3 +169,16 @@ def test_both_linears_run_through_their_module_call(gen):
     x, sizes, p, dy = _inputs(gen, [5, 0, 130, 1])
     _step(recomputing, x, sizes, p, dy)
     assert calls == ["linear_fc1", "linear_fc2"]
+
+
+def test_a_strided_h_reaches_the_quantizers_contiguous(gen, quantizer_preconditions):
+    """h as a transposed view: the activation's torch path keeps that layout, and the quantizers (whose GPU ops refuse
+    a strided input) get act(h) contiguous, in the forward and in the backward's recomputation."""
+    h = torch.randn(256, 200, generator=gen).bfloat16().t().requires_grad_()
+    w = (torch.randn(2, 128, 128, generator=gen) * 0.05).bfloat16().requires_grad_()
+    sizes = torch.tensor([120, 80])
+    y = fp8_activation_grouped_linear(h, None, "swiglu", w, sizes, backend="reference")
+    y.backward(torch.randn(200, 128, generator=gen).bfloat16())
+    assert h.grad is not None and w.grad is not None
+    assert {name for name, _ in quantizer_preconditions} >= {"run_1x128_and_grouped_128x1", "run_grouped_128x1"}
+

@@ -387,9 +387,10 @@ def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
     assert calls == ["run_1x128_and_grouped_128x1", "run_1x128_and_grouped_128x1"]
 
 
-def test_an_output_gradient_at_any_offset_is_taken(gen):
+def test_an_output_gradient_at_any_offset_is_taken(gen, quantizer_preconditions):
     """The quantizers read 16-byte vectors; a dY view that starts off that boundary is copied, not refused (before
-    the Function ran its quantizers on the operands it made, the public quantizer's rule refused it)."""
+    the Function ran its quantizers on the operands it made, the public quantizer's rule refused it). The fixture
+    holds the quantizer calls to what the GPU ops accept."""
     x, w, sizes, dy = _linear_case(gen)
     odd = torch.empty(dy.numel() + 1, dtype=dy.dtype)[1:].view_as(dy)
     odd.copy_(dy)
@@ -398,14 +399,27 @@ def test_an_output_gradient_at_any_offset_is_taken(gen):
     y1, dx1 = _linear_grads(x, w1, sizes, dy)
     y2, dx2 = _linear_grads(x, w2, sizes, odd)
     assert torch.equal(dx1, dx2) and torch.equal(w1.grad, w2.grad)
+    assert len(quantizer_preconditions) == 4  # X forward, dY backward, twice
 
 
-def test_a_misaligned_input_gets_the_quantizers_error_on_every_backend(gen):
+def test_a_misaligned_input_is_refused_at_the_entry(gen, quantizer_preconditions):
+    """The entry check refuses what the quantizers could not read, before any backend is chosen (so the same error
+    on every backend)."""
     x, w, sizes, _ = _linear_case(gen)
     odd = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x)
     odd.copy_(x)
     with pytest.raises(ValueError, match=r"x must start 16-byte aligned \(the quantizers read rows as 16-byte"):
         fp8_grouped_linear(odd, w, sizes, backend="reference")
+    assert quantizer_preconditions == []
+
+
+def test_main_grad_on_another_device_is_refused(gen):
+    x, w, sizes, dy = _linear_case(gen)
+    w = w.clone().requires_grad_()
+    w.main_grad = torch.zeros(w.shape, device="meta")
+    y = fp8_grouped_linear(x.requires_grad_(), w, sizes, backend="reference")
+    with pytest.raises(ValueError, match="main_grad of weight 0 must be on cpu, got meta"):
+        y.backward(dy)
 
 
 @pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])

@@ -170,6 +170,19 @@ def test_a_checked_groups_is_matched_not_rechecked(raw_checks):
         check_groups(no_rows, 3, m_total=180)
 
 
+@pytest.mark.parametrize("tensor,num_groups,is_offsets", [
+    (torch.tensor([0, 120, 120, 200]), 3, False),  # offsets labelled as sizes
+    (torch.tensor([120, 0, 80]), 3, True),  # sizes labelled as offsets
+    (torch.tensor([120.0, 0.0, 80.0]), 3, False),  # not an integer tensor
+    (torch.tensor([[120, 0, 80]]), 3, False),  # not 1-D
+])
+def test_a_hand_built_groups_that_does_not_fit_itself_is_refused(tensor, num_groups, is_offsets):
+    """The C++ ops read sizes or offsets from the tensor's length, the reference from `is_offsets`: a mislabelled
+    `Groups` would give different results on the two backends, so it is refused."""
+    with pytest.raises(ValueError, match="a Groups whose tensor does not match it"):
+        check_groups(Groups(tensor, num_groups, is_offsets, 200), 3, m_total=200)
+
+
 def test_the_gemms_take_checked_groups_without_checking_them_again(raw_checks):
     args = _m_args()
     checked = check_groups(args["groups"], 3, m_total=200)
