@@ -62,19 +62,6 @@ M_BAD = [
 ]
 
 
-@pytest.mark.parametrize("mutate,extra,exc,match", M_BAD)
-def test_m_grouped_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(cuda_path, mutate, extra, exc,
-                                                                                      match):
-    args = _m_args()
-    args.update({k: f(args[k]) for k, f in mutate.items()})
-    messages = []
-    for backend in ("auto", "reference"):  # "auto" takes the (recorded) CUDA path here
-        with pytest.raises(exc, match=match) as err:
-            gemm.m_grouped_fp8_gemm(**args, **extra, backend=backend)
-        messages.append(str(err.value))
-    assert messages[0] == messages[1] and cuda_path.calls == []
-
-
 def test_m_grouped_good_input_reaches_the_op_once_with_the_groups_tensor(cuda_path):
     args = _m_args()
     out = gemm.m_grouped_fp8_gemm(**args, block_n=128)
@@ -102,15 +89,18 @@ K_BAD = [
 ]
 
 
-@pytest.mark.parametrize("mutate,extra,exc,match", K_BAD)
-def test_k_grouped_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(cuda_path, mutate, extra, exc,
-                                                                                      match):
-    args = _k_args()
+BAD = [("m_grouped", *case) for case in M_BAD] + [("k_grouped", *case) for case in K_BAD]
+
+
+@pytest.mark.parametrize("which,mutate,extra,exc,match", BAD)
+def test_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(cuda_path, which, mutate, extra, exc, match):
+    args = _m_args() if which == "m_grouped" else _k_args()
+    fn = gemm.m_grouped_fp8_gemm if which == "m_grouped" else gemm.k_grouped_fp8_gemm
     args.update({k: f(args[k]) for k, f in mutate.items()})
     messages = []
-    for backend in ("auto", "reference"):
+    for backend in ("auto", "reference"):  # "auto" takes the (recorded) CUDA path here
         with pytest.raises(exc, match=match) as err:
-            gemm.k_grouped_fp8_gemm(**args, **extra, backend=backend)
+            fn(**args, **extra, backend=backend)
         messages.append(str(err.value))
     assert messages[0] == messages[1] and cuda_path.calls == []
 
