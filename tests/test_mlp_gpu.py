@@ -247,3 +247,40 @@ def test_no_tokens_forward_and_backward(pad_to, recompute):
     out, _ = module(x, sizes, probs)
     out.sum().backward()
     assert all(torch.equal(w.main_grad, s) and w.grad is None for w, s in zip(module.parameters(), starts))
+
+
+def test_odd_dy_and_strided_h_run_on_the_kernels():
+    """The autograd Functions run the quantizers without their public rules on operands they hold: a dY view off a
+    16-byte boundary is copied (same bits as an aligned dY), and a transposed h reaches the quantizers as a
+    contiguous act(h) (same bits as a contiguous h). On the CPU tests/test_autograd.py and
+    tests/test_activation_linear.py hold the same calls to the ops' preconditions."""
+    from megatron_tma.activation_linear import fp8_activation_grouped_linear
+    from megatron_tma.autograd import fp8_grouped_linear
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    sizes = torch.tensor([300, 0, 212], device=DEV)
+    x = torch.randn(512, 256, generator=gen, device=DEV).bfloat16()
+    w = (torch.randn(3, 384, 256, generator=gen, device=DEV) * 0.05).bfloat16()
+    dy = torch.randn(512, 384, generator=gen, device=DEV).bfloat16()
+    odd = torch.empty(dy.numel() + 1, dtype=dy.dtype, device=DEV)[1:].view_as(dy)
+    odd.copy_(dy)
+    assert odd.data_ptr() % 16 != 0
+    grads = []
+    for g in (dy, odd):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fp8_grouped_linear(xi, wi, sizes, backend="cuda").backward(g)
+        grads.append((xi.grad, wi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    # h column-major: the activation kernel does not take it, so "auto" computes act(h) on the torch path (close to
+    # the kernel's, not bit-equal), and the quantizers' ops get it contiguous instead of refusing it.
+    h = torch.randn(512, 256, generator=gen, device=DEV).bfloat16()
+    w2 = (torch.randn(3, 128, 128, generator=gen, device=DEV) * 0.05).bfloat16()
+    results = []
+    for hi in (h.clone(), h.t().contiguous().t()):  # the same values, row- and column-major
+        hi.requires_grad_()
+        wi = w2.clone().requires_grad_()
+        y = fp8_activation_grouped_linear(hi, None, "swiglu", wi, sizes)
+        y.backward(dy[:, :128].contiguous())
+        results.append((y, hi.grad, wi.grad))
+    for a, b in zip(*results):
+        assert T.diff(b.double(), a.double()) < 1e-3
