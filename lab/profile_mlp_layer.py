@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -58,18 +56,6 @@ def kernel_times(step, steps):
             k = short_name(evt.key)
             times[k] = times.get(k, 0.0) + t / 1000.0 / steps
     return times
-
-
-def host_ms(step, iters=10):
-    """Median host time to enqueue one step (the GPU drained before each)."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        times.append(1e3 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 ALLOC_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
@@ -117,7 +103,7 @@ def profile_config(model, G, M, steps, seed=2010):
     # the benchmark (Qwen3 G=128: 6.6 vs 4.5 ms), so wall and host time are taken before any profiling and host
     # time once more after it (host_ms_after_profiling shows what profiling leaves behind).
     for name, step in step_fns.items():
-        timing[name] = {"wall_ms": common.bench(step, iters=10, warmup=2), "host_ms": host_ms(step)}
+        timing[name] = {"wall_ms": common.bench(step, iters=10, warmup=2), "host_ms": bml.host_ms(step, calls=10)}
         timing[name]["allocator_alone"] = allocator_events({name: step})[name]
     for name, ms in common.bench_interleaved(step_fns, iters=10, warmup=2).items():
         timing[name]["wall_ms_interleaved"] = ms
@@ -136,7 +122,7 @@ def profile_config(model, G, M, steps, seed=2010):
         timing[name]["kernel_ms"] = sum(kernels[name].values())
         if name == "ours":
             timing[name]["top_cpu_ops_ms"] = top_cpu_ops(step)
-        timing[name]["host_ms_after_profiling"] = host_ms(step)
+        timing[name]["host_ms_after_profiling"] = bml.host_ms(step, calls=10)
     del mods, step_fns
     torch.cuda.empty_cache()
     return {"kernels": kernels, "timing": timing}

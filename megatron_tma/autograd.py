@@ -414,7 +414,7 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, po
         check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
     if x_contiguous and x.numel():  # what the quantizers need of it (an x computed by the caller is a fresh tensor)
         check_aligned16(x, x_name, "the quantizers read rows as 16-byte vectors")
-    return weights, check_groups(groups, g, m_total=x.shape[0], device=x.device)
+    return weights, check_groups(groups, g, m_total=x.shape[0])  # (its device: checked with x's above)
 
 
 def fp8_grouped_linear(

@@ -132,8 +132,8 @@ def check_groups(
         if groups.m_total is not None:
             raise ValueError(f"{name} were checked for M_total={groups.m_total} rows, but this call's data has "
                              f"{m_total}")
-        if groups.tensor.device.type == "cpu" or debug_checks_enabled():
-            check_groups_values(groups.tensor, groups.is_offsets, m_total, name=name)
+        if _debug_checks or t.device.type == "cpu":
+            check_groups_values(t, groups.is_offsets, m_total, name=name)
         return groups._replace(m_total=m_total)
     _check_group_tensor(groups, name)
     if device is not None and not _same_device(groups.device, torch.device(device)):
