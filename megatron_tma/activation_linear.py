@@ -3,7 +3,7 @@
 
 The MLP otherwise keeps two things for the backward of its second half: h (BF16 `[T, 2F]` for SwiGLU, `[T, F]`
 otherwise), which the activation's backward reads, and the per-group FP8 columns of z = act(h) * probs (`[F, P]`
-bytes, P = round_up(T, 16) + 16 G, plus scales), which fc2's weight gradient reads. Here the forward keeps h and the
+bytes, P = round_up(T, 128) + 128 G, plus scales), which fc2's weight gradient reads. Here the forward keeps h and the
 probs only. The backward recomputes z with the same kernel (the same bits: every element comes from its own row of
 h), quantizes its columns, runs fc2's backward and then the activation's. Saved: F bytes per routed token and 16 F
 per expert (about 12% of the layer's saved activations at DeepSeek-V3's H = 7168, F = 2048). Paid: one activation

@@ -169,7 +169,7 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         raise ValueError(f"dy_t and x_t must have the same row pitch, got {dy_t.stride(0)} and {x_t.stride(0)}")
     if p % 16 != 0:
         raise ValueError(f"P (the token columns of dy_t and x_t) must be a multiple of 16 (quantize_grouped_128x1 "
-                         f"gives round_up(M_total, 16) + 16 G), got P={p}")
+                         f"gives round_up(M_total, 128) + 128 G), got P={p}")
     if n == 0 or n % 16 != 0 or k == 0 or k % 16 != 0:
         raise ValueError(f"N and K must be positive multiples of 16, got N={n}, K={k}")
     check_tensor(dy_t_scales, "dy_t_scales", (torch.float32,), dim=2)
@@ -205,10 +205,10 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         raise ValueError(f"token-block scales must have M_total // 128 + G >= G rows, got MB={mb} for G={g}"
                          + ("" if num_groups is not None else
                             " (G = the length of groups, read as sizes: offsets [G+1] need num_groups=G or out)"))
-    if p < 16 * g + 128 * (mb - g):
+    if p < 128 * mb:
         raise ValueError(
-            f"inconsistent wgrad operands: P >= 16 G + 128 (MB - G) must hold (every quantize_grouped_128x1 output "
-            f"has P = round_up(M_total, 16) + 16 G and MB = M_total // 128 + G), got P={p}, G={g}, MB={mb}"
+            f"inconsistent wgrad operands: P >= 128 MB must hold (every quantize_grouped_128x1 output has "
+            f"P = round_up(M_total, 128) + 128 G and MB = M_total // 128 + G), got P={p}, G={g}, MB={mb}"
         )
     if any_misaligned16(dy_t, x_t):
         check_aligned16(dy_t, "dy_t", "TMA loads it")
@@ -234,8 +234,9 @@ def k_grouped_fp8_gemm(
     """Weight gradient `out[g] = dY_g^T . X_g` over each group's own tokens (any count, 0 included).
 
     dy_t / x_t: the token-contiguous `[N, P]` / `[K, P]` operands of `quantize_grouped_128x1` (group g's tokens at
-    columns `[a_g, a_g + M_g)`, `a_g = sum_{h<g} round_up(M_h, 16)`; the same P and row pitch, both multiples of 16),
-    with their `[MB, N]` / `[MB, K]` token-block scales (`MB = M // 128 + G`; `P >= 16 G + 128 (MB - G)` is checked).
+    columns `[a_g, a_g + M_g)`, `a_g = sum_{h<g} round_up(M_h, 128)`, zeros between groups; the same P and row pitch,
+    both multiples of 16), with their `[MB, N]` / `[MB, K]` token-block scales (`MB = M // 128 + G`; `P >= 128 MB` is
+    checked).
     G is `out.shape[0]` when `out` is given, else `num_groups`, else `groups` holds sizes and G is its length
     (offsets `[G+1]` need `num_groups` or `out`).
     accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty

@@ -243,17 +243,19 @@ def token_block_offsets(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
     return sizes_to_offsets(token_block_counts(sizes, block))
 
 
-# The wgrad operands' 16-aligned token columns (docs/design.md §4, docs/layouts.md): group g's tokens sit at columns
-# [a_g, a_g + M_g) of qt [K, P], a_g = sum_{h<g} round_up(M_h, 16); P is allocated at its upper bound.
-WGRAD_ALIGN = 16
+# The wgrad operands' 128-token group starts (docs/design.md §4, docs/layouts.md): group g's tokens sit at columns
+# [a_g, a_g + M_g) of qt [K, P], a_g = sum_{h<g} round_up(M_h, 128); P is allocated at its upper bound. With P a
+# multiple of 128 too, every 128-token block of every group is one whole 128-byte line of each qt row, and a group's
+# partial last block can be read whole: the columns after it are zeros, written by the quantizer.
+WGRAD_ALIGN = 128
 
 
 def wgrad_pitch(m_total: int, num_groups: int) -> int:
-    """P, the token columns of the wgrad operands: ``round_up(m_total, 16) + 16 * num_groups``.
+    """P, the token columns of the wgrad operands: ``round_up(m_total, 128) + 128 * num_groups``.
 
-    The upper bound of ``a_G = sum_g round_up(M_g, 16)`` over all groupings of m_total rows into num_groups groups
-    (each group adds at most 15 columns, and 16 G covers them whatever round_up(m_total, 16) adds); from host ints
-    only, so the quantizers allocate ``[K, P]`` without reading the sizes.
+    The upper bound of ``a_G = sum_g round_up(M_g, 128)`` over all groupings of m_total rows into num_groups groups
+    (``sum_g ceil(M_g/128) <= m_total // 128 + G``); a multiple of 128, so that every row of ``[K, P]`` starts on a
+    128-byte line; from host ints only, so the quantizers allocate ``[K, P]`` without reading the sizes.
     """
     if m_total < 0:
         raise ValueError(f"m_total must be >= 0, got {m_total}")
@@ -263,7 +265,7 @@ def wgrad_pitch(m_total: int, num_groups: int) -> int:
 
 
 def aligned_token_offsets(groups: torch.Tensor, num_groups: Optional[int] = None) -> torch.Tensor:
-    """a_g = sum_{h<g} round_up(M_h, 16) as int64 [G+1] (``a_G`` last): each group's first column in the wgrad
+    """a_g = sum_{h<g} round_up(M_h, 128) as int64 [G+1] (``a_G`` last): each group's first column in the wgrad
     operands. ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (as ``check_groups``), or a `Groups`;
     negative sizes count as 0, as in the kernels. A tensor op on the groups' device: no host read, no sync."""
     if type(groups) is not Groups:  # metadata only (the values are the kernels' business)
@@ -277,7 +279,7 @@ def aligned_token_offsets(groups: torch.Tensor, num_groups: Optional[int] = None
 
 def check_wgrad_columns(groups: torch.Tensor, is_offsets: bool, pitch_cols: int, scale_rows: int,
                         *, name: str = "groups") -> None:
-    """The group sizes fit the wgrad operands: ``sum_g round_up(M_g, 16) <= P`` (tokens inside qt's columns) and
+    """The group sizes fit the wgrad operands: ``sum_g round_up(M_g, 128) <= P`` (tokens inside qt's columns) and
     ``sum_g ceil(M_g/128) <= MB`` (blocks inside the scale rows). READS THE GROUPS ON THE HOST (a sync for device
     tensors): for the reference, CPU tensors and debug checks. Values are assumed checked (non-negative sizes)."""
     vals = groups.detach().cpu().tolist()
@@ -286,7 +288,7 @@ def check_wgrad_columns(groups: torch.Tensor, is_offsets: bool, pitch_cols: int,
     hint = "" if is_offsets else " (offsets [G+1] need num_groups=G or out: without them the tensor holds sizes)"
     if cols > pitch_cols:
         raise ValueError(
-            f"{name}: the groups need sum_g round_up(M_g, 16) = {cols} token columns, but the wgrad operands have "
+            f"{name}: the groups need sum_g round_up(M_g, {WGRAD_ALIGN}) = {cols} token columns, but the wgrad operands have "
             f"P = {pitch_cols}{hint}"
         )
     blocks = sum(-(-m // 128) for m in sizes)

@@ -144,12 +144,12 @@ def quantize_grouped_128x1(
     x: bf16/fp16 ``[M, K]``, contiguous, K % 16 == 0. groups: int32/int64 sizes ``[G]`` or offsets
     ``[G+1]`` on x's device (offsets need ``num_groups=G``; see ``groups.check_groups``) or a ``Groups``,
     never read on the host by the CUDA backend; 1 <= G <= 8192.
-    Returns ``qt`` e4m3 ``[K, P]``, contiguous, ``P = round_up(M, 16) + 16 G`` (``groups.wgrad_pitch``):
-    group g's tokens sit at columns ``[a_g, a_g + M_g)``, ``a_g = sum_{h<g} round_up(M_h, 16)``
-    (``groups.aligned_token_offsets``), and every other column is 0 (the <= 15 between groups and the
+    Returns ``qt`` e4m3 ``[K, P]``, contiguous, ``P = round_up(M, 128) + 128 G`` (``groups.wgrad_pitch``):
+    group g's tokens sit at columns ``[a_g, a_g + M_g)``, ``a_g = sum_{h<g} round_up(M_h, 128)``
+    (``groups.aligned_token_offsets``), and every other column is 0 (the <= 127 between groups and the
     tail ``[a_G, P)``); and ``s`` FP32 ``[M//128 + G, K]``: row ``B_g + j`` holds block j of group g
     (``B_g`` = blocks of the groups before g), rows past the last used block 0. M == 0 gives zeros
-    ``[K, 16 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
+    ``[K, 128 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
     """
     groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
     return run_grouped_128x1(x, groups, pow2, backend)

@@ -205,11 +205,11 @@ def quantize_grouped_128x1(
     """Wgrad operands: one scale per column per 128-token block of each group. x [M, K] -> (qt, s).
 
     Blocks start at each group's first row (they never mix groups; a group's last block may be
-    partial; empty groups own none). ``qt`` is e4m3 [K, P], contiguous, P = round_up(M, 16) + 16 G
+    partial; empty groups own none). ``qt`` is e4m3 [K, P], contiguous, P = round_up(M, 128) + 128 G
     (``groups.wgrad_pitch``): group g's tokens sit at columns [a_g, a_g + M_g), a_g = sum_{h<g}
-    round_up(M_h, 16), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 15
+    round_up(M_h, 128), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 15
     between groups and the tail [a_G, P)). ``s`` is FP32 [M//128 + G, K]: row B_g + j holds block j of
-    group g, rows past the last used block are 0. M == 0 gives zeros [K, 16 G] and [G, K].
+    group g, rows past the last used block are 0. M == 0 gives zeros [K, 128 G] and [G, K].
     ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.check_groups), or a ``Groups``.
     """
     check_tensor(x, "x", _FLOAT_INPUTS, dim=2, contiguous=False)
@@ -230,7 +230,7 @@ def quantize_grouped_128x1(
 
 
 def _aligned_columns(sizes: List[int], device) -> torch.Tensor:
-    """The wgrad column of every token: a_g + t for token t of group g (groups start on 16-column boundaries)."""
+    """The wgrad column of every token: a_g + t for token t of group g (groups start on 128-column boundaries)."""
     return _padded_row_index(sizes, _groups.WGRAD_ALIGN, device)
 
 
@@ -345,9 +345,9 @@ def k_grouped_fp8_gemm(
 ) -> torch.Tensor:
     """dW_g = dY_g^T . X_g, tokens contracted, with the docs/design.md §3 accumulation; returns [G, N, K].
 
-    dy_t [N, P] and x_t [K, P] e4m3 (token-contiguous, any row pitch) in the 16-aligned layout of
+    dy_t [N, P] and x_t [K, P] e4m3 (token-contiguous, any row pitch) in the 128-aligned layout of
     quantize_grouped_128x1: group g contracts over columns [a_g, a_g + M_g), a_g = sum_{h<g}
-    round_up(M_h, 16), with the per-group token-block scales dy_s [MB, N] and x_s [MB, K]. G is
+    round_up(M_h, 128), with the per-group token-block scales dy_s [MB, N] and x_s [MB, K]. G is
     ``out.shape[0]`` when out is given, else ``num_groups``, else ``groups`` holds sizes and G is its
     length (offsets [G+1] need num_groups or out). For each group, ``acc`` runs over the group's token
     blocks [a_g + 128 j, min(a_g + 128 (j+1), a_g + M_g)) in ascending order with ``sa = dy_s[B_g + j, n]``,

@@ -39,7 +39,7 @@ c0 = torch.randn(G, N, K, device=dev)
 dacc = c0.clone()
 k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=dacc, accumulate=True)  # FP32: C loaded and stored by TMA
 kb16 = kb16 and torch.equal(dacc, c0 + dw)
-# The wgrad layout (docs/design.md §4): contiguous [K, P], P = round_up(M, 16) + 16 G, group g at column a_g (a multiple of
+# The wgrad layout (docs/design.md §4): contiguous [K, P], P = round_up(M, 128) + 128 G, group g at column a_g (a multiple of
 # 16; here 0, 112, 112, 256), every other column zero; and the bits of the padded path (each group padded with
 # zero tokens to a multiple of 128, quantized and multiplied by the same kernel).
 P = -(-M // 16) * 16 + 16 * G

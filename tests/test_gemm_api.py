@@ -121,9 +121,9 @@ def test_m_grouped_tile_without_the_extension_says_what_it_needs():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# K-grouped (wgrad): the 16-aligned layout's rules (docs/design.md §4, docs/layouts.md)
+# K-grouped (wgrad): the 128-aligned layout's rules (docs/design.md §4, docs/layouts.md)
 # ------------------------------------------------------------------------------------------------------------------
-K_SIZES = [100, 0, 60]  # M = 160, G = 3: P = 160 + 48 = 208, MB = 1 + 3 = 4
+K_SIZES = [300, 0, 60]  # M = 360, G = 3: P = 384 + 384 = 768, MB = 2 + 3 = 5
 
 
 def _k_args(sizes=K_SIZES, n=64, k=128, seed=5):
@@ -146,29 +146,29 @@ def test_k_grouped_num_groups_offsets_and_out():
     from megatron_tma.gemm import k_grouped_fp8_gemm
 
     args = _k_args()
-    assert args["x_t"].shape == (128, 208) and args["x_t"].is_contiguous()
+    assert args["x_t"].shape == (128, 768) and args["x_t"].is_contiguous()
     want = k_grouped_fp8_gemm(**args)
     assert want.shape == (3, 64, 128)
     assert torch.equal(want, R.k_grouped_fp8_gemm(*args.values()))
-    offsets = torch.tensor([0, 100, 100, 160], dtype=torch.int32)
+    offsets = torch.tensor([0, 300, 300, 360], dtype=torch.int32)
     assert torch.equal(k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=3), want)
     out = torch.full((3, 64, 128), float("nan"))
     assert k_grouped_fp8_gemm(**{**args, "groups": offsets}, out=out) is out and torch.equal(out, want)
     assert torch.equal(k_grouped_fp8_gemm(**args, num_groups=3), want)
     # a wider row pitch (a multiple of 16, the same for both operands) reads the same columns
-    wide = {**args, "dy_t": _repitched(args["dy_t"], 256), "x_t": _repitched(args["x_t"], 256)}
+    wide = {**args, "dy_t": _repitched(args["dy_t"], 896), "x_t": _repitched(args["x_t"], 896)}
     assert torch.equal(k_grouped_fp8_gemm(**wide), want)
 
 
 def test_k_grouped_no_tokens():
-    """M == 0: the quantizers give [K, 16 G] zeros; the GEMM writes zeros, or leaves C when accumulating."""
+    """M == 0: the quantizers give [K, 128 G] zeros; the GEMM writes zeros, or leaves C when accumulating."""
     from megatron_tma.gemm import k_grouped_fp8_gemm
     from megatron_tma.quant import quantize_grouped_128x1
 
     sizes = torch.zeros(4, dtype=torch.int32)
     xt, xs = quantize_grouped_128x1(torch.zeros(0, 128, dtype=torch.bfloat16), sizes)
     dyt, dys = quantize_grouped_128x1(torch.zeros(0, 64, dtype=torch.bfloat16), sizes)
-    assert xt.shape == (128, 64) and dyt.shape == (64, 64) and xs.shape == (4, 128)
+    assert xt.shape == (128, 512) and dyt.shape == (64, 512) and xs.shape == (4, 128)
     out = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=torch.full((4, 64, 128), float("nan")))
     assert torch.equal(out, torch.zeros_like(out))
     c = torch.randn(4, 64, 128)
@@ -180,29 +180,29 @@ K_BAD = [
     ("dy_t dtype", lambda a: a.update(dy_t=a["dy_t"].float()), TypeError, "dy_t must have dtype float8_e4m3fn"),
     ("x_t column-major", lambda a: a.update(x_t=a["x_t"].t().contiguous().t()), ValueError,
      r"x_t must be the token-contiguous \[rows, P\] operand"),
-    ("x_t pitch not a multiple of 16", lambda a: a.update(x_t=_repitched(a["x_t"], 216)), ValueError,
+    ("x_t pitch not a multiple of 16", lambda a: a.update(x_t=_repitched(a["x_t"], 776)), ValueError,
      r"x_t must be the token-contiguous .*row pitch a multiple of 16 and >= P"),
-    ("pitches differ", lambda a: a.update(x_t=_repitched(a["x_t"], 224)), ValueError,
-     "dy_t and x_t must have the same row pitch, got 208 and 224"),
+    ("pitches differ", lambda a: a.update(x_t=_repitched(a["x_t"], 784)), ValueError,
+     "dy_t and x_t must have the same row pitch, got 768 and 784"),
     ("P differs", lambda a: a.update(x_t=a["x_t"][:, :192]), ValueError,
      "dy_t and x_t must have the same token columns P"),
     ("P not a multiple of 16", lambda a: a.update(dy_t=a["dy_t"][:, :200], x_t=a["x_t"][:, :200]), ValueError,
      r"P \(the token columns of dy_t and x_t\) must be a multiple of 16 .*got P=200"),
-    ("old [K, M] layout", lambda a: a.update(dy_t=a["dy_t"][:, :160], x_t=a["x_t"][:, :160]), ValueError,
-     r"inconsistent wgrad operands: P >= 16 G \+ 128 \(MB - G\) must hold .*got P=160, G=3, MB=4"),
-    ("scales of another M", lambda a: a.update(dy_t_scales=torch.zeros(6, 64), x_t_scales=torch.zeros(6, 128)),
-     ValueError, r"inconsistent wgrad operands: .*got P=208, G=3, MB=6"),
+    ("16-aligned layout's P", lambda a: a.update(dy_t=a["dy_t"][:, :416], x_t=a["x_t"][:, :416]), ValueError,
+     r"inconsistent wgrad operands: P >= 128 MB must hold .*got P=416, G=3, MB=5"),
+    ("scales of another M", lambda a: a.update(dy_t_scales=torch.zeros(7, 64), x_t_scales=torch.zeros(7, 128)),
+     ValueError, r"inconsistent wgrad operands: .*got P=768, G=3, MB=7"),
     ("scale rows differ", lambda a: a.update(x_t_scales=a["x_t_scales"][:-1].contiguous()), ValueError,
      r"token-block scales must be \[MB, N\] and \[MB, K\] with one MB"),
     ("fewer scale rows than groups", lambda a: a.update(dy_t_scales=a["dy_t_scales"][:2].contiguous(),
                                                          x_t_scales=a["x_t_scales"][:2].contiguous()),
      ValueError, r"M_total // 128 \+ G >= G rows, got MB=2 for G=3"),
-    ("offsets without num_groups", lambda a: a.update(groups=torch.tensor([0, 100, 100, 160])), ValueError,
-     r"token columns, but the wgrad operands have P = 208 \(offsets \[G\+1\] need num_groups=G or out"),
-    ("groups past P", lambda a: a.update(groups=torch.tensor([100, 0, 100])), ValueError,
-     r"sum_g round_up\(M_g, 16\) = 224 token columns, but the wgrad operands have P = 208"),
+    ("offsets without num_groups", lambda a: a.update(groups=torch.tensor([0, 300, 300, 360])), ValueError,
+     r"token columns, but the wgrad operands have P = 768 \(offsets \[G\+1\] need num_groups=G or out"),
+    ("groups past P", lambda a: a.update(groups=torch.tensor([300, 0, 400])), ValueError,
+     r"sum_g round_up\(M_g, 128\) = 896 token columns, but the wgrad operands have P = 768"),
     ("groups length", lambda a: a.update(groups=a["groups"][:2], num_groups=3), ValueError, r"G sizes or G\+1 offsets"),
-    ("negative size", lambda a: a.update(groups=torch.tensor([100, -4, 64])), ValueError, "must be >= 0"),
+    ("negative size", lambda a: a.update(groups=torch.tensor([300, -4, 64])), ValueError, "must be >= 0"),
     ("num_groups vs out", lambda a: a.update(out=torch.zeros(3, 64, 128), num_groups=2), ValueError,
      "out holds G=3 groups but num_groups=2"),
     ("num_groups 0", lambda a: a.update(num_groups=0), ValueError, "num_groups must be >= 1"),
@@ -229,11 +229,11 @@ def test_k_grouped_validation_messages(name, mutate, exc, match):
 
 
 def test_k_grouped_debug_checks_bound_the_groups_by_p(debug_checks):
-    """With debug checks on the groups are read on the host and must fit the operands: sum round_up(M_g, 16) <= P
+    """With debug checks on the groups are read on the host and must fit the operands: sum round_up(M_g, 128) <= P
     (on the CPU they are checked anyway: the read is free)."""
     from megatron_tma.gemm import k_grouped_fp8_gemm
 
     args = _k_args()
-    with pytest.raises(ValueError, match=r"= 224 token columns, but the wgrad operands have P = 208"):
-        k_grouped_fp8_gemm(**{**args, "groups": torch.tensor([100, 0, 100])})
+    with pytest.raises(ValueError, match=r"= 896 token columns, but the wgrad operands have P = 768"):
+        k_grouped_fp8_gemm(**{**args, "groups": torch.tensor([300, 0, 400])})
     assert k_grouped_fp8_gemm(**args).shape == (3, 64, 128)

@@ -79,7 +79,7 @@ K_BAD = [
     ({"x_t": lambda t: t[:, :192]}, {}, ValueError, "the same token columns P"),
     ({"dy_t_scales": lambda s: s[:2].contiguous(), "x_t_scales": lambda s: s[:2].contiguous()}, {}, ValueError,
      r"M_total // 128 \+ G >= G rows"),
-    ({"groups": lambda g: g * 2}, {}, ValueError, "token columns, but the wgrad operands have P = 208"),
+    ({"groups": lambda g: g * 4}, {}, ValueError, "token columns, but the wgrad operands have P = 640"),
     ({}, {"out": torch.zeros(3, 64, 256)}, ValueError, r"out must be \[G, N, K\]"),
     ({}, {"out": torch.zeros(3, 64, 128, dtype=torch.bfloat16), "accumulate": True}, TypeError,
      "accumulate=True needs an FP32 out"),

@@ -149,9 +149,9 @@ def test_token_blocks():
     assert G.token_block_counts(sizes, 64).tolist() == [0, 1, 2, 2, 3, 5, 0]
 
 
-# The wgrad operands' 16-aligned token columns (docs/design.md §4): a_g = sum_{h<g} round_up(M_h, 16), P at its bound.
-WGRAD_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0]
-WGRAD_STARTS = [0, 0, 16, 32, 48, 80, 208, 336, 480, 480]
+# The wgrad operands' 128-token group starts (docs/design.md §4): a_g = sum_{h<g} round_up(M_h, 128), P at its bound.
+WGRAD_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0, 256, 3]
+WGRAD_STARTS = [0, 0, 128, 256, 384, 512, 640, 768, 1024, 1024, 1280, 1408]
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -163,8 +163,8 @@ def test_aligned_token_offsets(groups_format, dtype):
     if num_groups is None:  # G entries with num_groups = G are sizes too
         assert G.aligned_token_offsets(t, len(WGRAD_SIZES)).tolist() == WGRAD_STARTS
     # one group; negative sizes count as 0 (as in the kernels)
-    assert G.aligned_token_offsets(torch.tensor([5])).tolist() == [0, 16]
-    assert G.aligned_token_offsets(torch.tensor([3, -7, 20], dtype=dtype)).tolist() == [0, 16, 16, 48]
+    assert G.aligned_token_offsets(torch.tensor([5])).tolist() == [0, 128]
+    assert G.aligned_token_offsets(torch.tensor([3, -7, 200], dtype=dtype)).tolist() == [0, 128, 128, 384]
 
 
 def test_aligned_token_offsets_errors():
@@ -176,15 +176,15 @@ def test_aligned_token_offsets_errors():
         G.aligned_token_offsets(torch.zeros(0, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("m_total", [0, 1, 15, 16, 17, 1000])
+@pytest.mark.parametrize("m_total", [0, 1, 15, 16, 17, 127, 128, 129, 1000])
 @pytest.mark.parametrize("num_groups", [1, 2, 9, 256])
 def test_wgrad_pitch_is_the_bound_of_the_aligned_columns(m_total, num_groups):
     p = G.wgrad_pitch(m_total, num_groups)
-    assert p == -(-m_total // 16) * 16 + 16 * num_groups and p % 16 == 0
+    assert p == -(-m_total // 128) * 128 + 128 * num_groups and p % 128 == 0
     for dist in ("paper", "skewed", "with_empty", "one_group"):
         sizes = G.make_group_sizes(m_total, num_groups, dist, seed=m_total + num_groups)
         assert int(G.aligned_token_offsets(sizes)[-1]) <= p
-    # the worst case: every group one past a multiple of 16
+    # the worst case: every group one past a multiple of 128
     ones = torch.tensor([1] * min(num_groups, m_total) + [0] * max(0, num_groups - m_total))
     ones[0] += m_total - int(ones.sum())
     assert int(G.aligned_token_offsets(ones)[-1]) <= p
@@ -199,14 +199,14 @@ def test_wgrad_pitch_errors():
 
 def test_check_wgrad_columns():
     sizes = torch.tensor(WGRAD_SIZES)
-    G.check_wgrad_columns(sizes, False, 480, 8)  # exactly a_G columns and 8 blocks
-    G.check_wgrad_columns(G.sizes_to_offsets(sizes), True, 480, 8)
-    with pytest.raises(ValueError, match=r"round_up\(M_g, 16\) = 480 token columns, but .* P = 464"):
-        G.check_wgrad_columns(sizes, False, 464, 8)
-    with pytest.raises(ValueError, match=r"ceil\(M_g/128\) = 8 token blocks, but the token-block scales have 7 rows"):
-        G.check_wgrad_columns(sizes, False, 480, 7)
+    G.check_wgrad_columns(sizes, False, 1408, 11)  # exactly a_G columns and 11 blocks
+    G.check_wgrad_columns(G.sizes_to_offsets(sizes), True, 1408, 11)
+    with pytest.raises(ValueError, match=r"round_up\(M_g, 128\) = 1408 token columns, but .* P = 1280"):
+        G.check_wgrad_columns(sizes, False, 1280, 11)
+    with pytest.raises(ValueError, match=r"ceil\(M_g/128\) = 11 token blocks, but the token-block scales have 10 rows"):
+        G.check_wgrad_columns(sizes, False, 1408, 10)
     with pytest.raises(ValueError, match=r"offsets \[G\+1\] need num_groups=G or out"):  # offsets read as sizes
-        G.check_wgrad_columns(G.sizes_to_offsets(torch.tensor([40, 40])), False, 96, 4)  # P of 2 groups
+        G.check_wgrad_columns(G.sizes_to_offsets(torch.tensor([40, 40])), False, 128, 4)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])

@@ -1,6 +1,6 @@
-"""K-grouped (weight-gradient) FP8 GEMM on the H200, on the 16-aligned wgrad layout (docs/design.md §4: group g's tokens at
-columns [a_g, a_g + M_g) of [rows, P], a_g = sum_{h<g} round_up(M_h, 16)): bit-exact against each group padded with
-zero tokens to a multiple of 128, accurate against float64, only each group's columns read, accumulate mode,
+"""K-grouped (weight-gradient) FP8 GEMM on the H200, on the 128-aligned wgrad layout (docs/design.md §4: group g's tokens
+at columns [a_g, a_g + M_g) of [rows, P], a_g = sum_{h<g} round_up(M_h, 128), zeros between groups): bit-exact against
+each group padded with zero tokens to a multiple of 128, accurate against float64, nothing past a_G read, accumulate mode,
 determinism, graphs, no host sync. Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
@@ -44,7 +44,7 @@ def _check(sizes, n, k, seed):
     tokens, quantized and multiplied with the padded sizes), bit for bit."""
     x, dy = _operands(sizes, n, k, seed)
     args = _quantized(x, dy, sizes)
-    assert args[0].shape[1] == -(-int(sizes.sum()) // 16) * 16 + 16 * len(sizes)  # P
+    assert args[0].shape[1] == -(-int(sizes.sum()) // 128) * 128 + 128 * len(sizes)  # P
     out = torch.full((len(sizes), n, k), float("nan"), device=DEV)
     k_grouped_fp8_gemm(*args, out=out)
     xp, padded = _pad_tokens(x, sizes)
@@ -72,7 +72,7 @@ EDGE = torch.tensor([0, 1, 15, 16, 17, 127, 128, 129, 0, 300], dtype=torch.int64
         (make_group_sizes(8192, 256, "with_empty", 2), 256, 512),
         (make_group_sizes(16384, 8, "skewed", 3), 4096, 4096),
         (torch.tensor([100, 37]), 96, 48),               # N, K not multiples of 128
-        (torch.tensor([15, 16, 17, 1, 0, 31, 33]), 128, 256),  # group starts 16 columns apart, gaps of 1..15
+        (torch.tensor([15, 16, 17, 1, 0, 31, 33]), 128, 256),  # groups of less than a block, gaps of 95..127
         # (from the aligned-start experiment's tests, now the one kernel's layout)
         (torch.tensor([512, 0, 144, 37]), 256, 384),             # partial last blocks (144 = 128 + 16), an empty group
         (torch.tensor([16, 48, 0, 272, 1000]), 272, 400),         # N and K not multiples of 128, a 16-token group
@@ -135,7 +135,7 @@ def test_bf16_output_is_rounded_fp32(sizes, n, k, offset):
     (torch.tensor([5000]), 256, 384),                     # one long group: many blocks per tile
 ])
 def test_fp32_tma_and_register_epilogues_agree(sizes, n, k):
-    """A 16-byte aligned FP32 out takes the shared-memory + TMA epilogue (C loaded by TMA when accumulating);
+    """A 16-byte aligned FP32 out takes the shared-memory + TMA epilogue (a TMA reduce-add when accumulating);
     an out 8 bytes past that takes the register path. Both compute __fadd_rn(c, acc) per element: the same bits,
     with and without accumulate, and nothing written outside out."""
     x, dy = _operands(sizes, n, k, 11)
@@ -190,22 +190,19 @@ def _wider(t, pitch):
     (torch.tensor([1, 1, 1, 1]), 128, 128),
     (make_group_sizes(4096, 32, "with_empty", 6), 512, 256),
 ])
-def test_only_each_groups_columns_are_read(sizes, n, k):
-    """The <= 15 columns between groups and the tail [a_G, P) (zeros from the quantizer) and the bytes past P in a
-    wider row pitch are never multiplied into a result: poisoned with NaN, the bits do not change. (A block's
-    columns past its group's end must give exact zero products, docs/design.md §4.)"""
+def test_nothing_past_the_groups_is_read(sizes, n, k):
+    """The tail [a_G, P) (zeros from the quantizer) and the bytes past P in a wider row pitch are never multiplied
+    into a result: poisoned with NaN, the bits do not change. (The gaps between groups are read: a partial last block
+    is loaded whole, and the quantizer's zeros there give exact zero products, docs/design.md §4.)"""
     x, dy = _operands(sizes, n, k, 12)
     dyt, dys, xt, xs, g = _quantized(x, dy, sizes)
     want = k_grouped_fp8_gemm(dyt, dys, xt, xs, g)
     c = torch.randn(want.shape, device=DEV)
     want_acc = k_grouped_fp8_gemm(dyt, dys, xt, xs, g, out=c.clone(), accumulate=True)
-    starts = [0]
-    for m in sizes.tolist():
-        starts.append(starts[-1] + -(-m // 16) * 16)
-    gaps = torch.ones(dyt.shape[1], dtype=torch.bool, device=DEV)
-    for a, m in zip(starts, sizes.tolist()):
-        gaps[a: a + m] = False
-    assert gaps.sum() == dyt.shape[1] - int(sizes.sum())
+    a_last = sum(-(-m // 128) * 128 for m in sizes.tolist())
+    gaps = torch.zeros(dyt.shape[1], dtype=torch.bool, device=DEV)
+    gaps[a_last:] = True
+    assert 0 < gaps.sum() < dyt.shape[1]
     poisoned = [t.clone() for t in (dyt, xt)]
     for t in poisoned:
         t.view(torch.uint8)[:, gaps] = 0x7F
@@ -263,7 +260,7 @@ def test_cuda_graph_replay_with_new_sizes_and_no_sync():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_no_tokens_from_the_cuda_quantizers(fused):
-    """M_total = 0 (an expert-parallel rank that received no token): the quantizers hand back zeros [rows, 16 G]
+    """M_total = 0 (an expert-parallel rank that received no token): the quantizers hand back zeros [rows, 128 G]
     and scales [G, rows]; the GEMM zeroes `out`, or leaves C unchanged when accumulating."""
     sizes = torch.zeros(4, dtype=torch.int64, device=DEV)
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEV)
@@ -274,7 +271,7 @@ def test_no_tokens_from_the_cuda_quantizers(fused):
     else:
         xt, xs = quant.quantize_grouped_128x1(x, sizes, num_groups=4)
         dyt, dys = quant.quantize_grouped_128x1(dy, sizes, num_groups=4)
-    assert xt.shape == (256, 64) and dyt.shape == (384, 64) and xt.is_contiguous() and dyt.is_contiguous()
+    assert xt.shape == (256, 512) and dyt.shape == (384, 512) and xt.is_contiguous() and dyt.is_contiguous()
     assert not xt.view(torch.uint8).any() and not dyt.view(torch.uint8).any()
     assert xs.shape == (4, 256) and dys.shape == (4, 384) and not xs.any() and not dys.any()
     out = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=torch.full((4, 384, 256), float("nan"), device=DEV))

@@ -41,14 +41,14 @@ def test_cpu_runs_the_reference(gen, dtype):
 @pytest.mark.parametrize("fmt", [("sizes", torch.int32), ("sizes", torch.int64), ("offsets", torch.int32),
                                  ("offsets", torch.int64)])
 def test_grouped_qt_is_the_aligned_layout(gen, fmt):
-    """The public quantizers return the contiguous [K, P] qt of the 16-aligned layout, for every group format."""
+    """The public quantizers return the contiguous [K, P] qt of the 128-aligned layout, for every group format."""
     sizes = [0, 1, 15, 16, 17, 127, 128, 129]
     m, g = sum(sizes), len(sizes)
     x = random_rows(m, 32, gen)
     groups = group_tensor(sizes, fmt)
     num_groups = g if fmt[0] == "offsets" else None
     qt, s = quantize_grouped_128x1(x, groups, num_groups=num_groups)
-    assert qt.shape == (32, -(-m // 16) * 16 + 16 * g) and qt.is_contiguous() and s.shape == (m // 128 + g, 32)
+    assert qt.shape == (32, -(-m // 128) * 128 + 128 * g) and qt.is_contiguous() and s.shape == (m // 128 + g, 32)
     assert all(map(_same, (qt, s), R.quantize_grouped_128x1(x, torch.tensor(sizes))))
     *_, qt2, s2 = quantize_1x128_and_grouped_128x1(x, groups, num_groups=num_groups)
     assert _same(qt2, qt) and _same(s2, s)
@@ -125,7 +125,7 @@ def test_fake_grouped_matches_reference_layout(sizes):
         assert same_layout(f, r) and f.is_contiguous()
         assert f.untyped_storage().nbytes() == r.untyped_storage().nbytes()
     m, g = sum(sizes), len(sizes)
-    assert fake[0].shape == (48, -(-m // 16) * 16 + 16 * g)  # qt [K, P], P = round_up(M, 16) + 16 G
+    assert fake[0].shape == (48, -(-m // 128) * 128 + 128 * g)  # qt [K, P], P = round_up(M, 128) + 128 G
 
 
 def test_fake_fused_is_the_two_fakes():

@@ -135,18 +135,18 @@ def test_128x128_two_dimensional_weight(gen):
 # ------------------------------------------------------------------------------------------------
 # Per-group 128x1
 # ------------------------------------------------------------------------------------------------
-# The wgrad layout (docs/design.md §4, 16-aligned group starts), written out here independently of the reference:
-# qt is [K, P] contiguous, P = round_up(M, 16) + 16 G; group g's tokens at columns [a_g, a_g + M_g),
-# a_g = sum_{h<g} round_up(M_h, 16); every other column (the gap after each group, the tail [a_G, P)) is 0.
+# The wgrad layout (docs/design.md §4, 128-token group starts), written out here independently of the reference:
+# qt is [K, P] contiguous, P = round_up(M, 128) + 128 G; group g's tokens at columns [a_g, a_g + M_g),
+# a_g = sum_{h<g} round_up(M_h, 128); every other column (the gap after each group, the tail [a_G, P)) is 0.
 def wgrad_pitch(m: int, num_groups: int) -> int:
-    return -(-m // 16) * 16 + 16 * num_groups
+    return -(-m // 128) * 128 + 128 * num_groups
 
 
 def aligned_starts(sizes):
     """[a_0, ..., a_G] as host ints."""
     starts = [0]
     for n in sizes:
-        starts.append(starts[-1] + -(-n // 16) * 16)
+        starts.append(starts[-1] + -(-n // 128) * 128)
     return starts
 
 
@@ -247,7 +247,7 @@ def test_grouped_distributions(gen, dtype, pow2, m, k, g, dist):
 
 
 def test_grouped_every_start_alignment(gen):
-    # groups ending at every residue mod 16 (gaps of 15..0 columns) and blocks ending at every residue
+    # groups ending at every residue mod 16 and mod 128 (gaps of 127..0 columns), blocks ending at every residue
     sizes = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1]
     x = special_rows(sum(sizes), 64, gen, torch.bfloat16)
     qt, s = run_grouped(x, sizes)
@@ -272,10 +272,9 @@ def test_fused_1x128_and_grouped_matches_reference(gen, dtype, pow2, case):
 # consecutive 16-byte chunks of every qt row, and quantize runs of consecutive slots per CTA: a slot parks the
 # unfinished 128-byte line of each row in shared memory and a later slot of the run completes it, so only a
 # run's first and last line are written in part. The run length is a launch heuristic (1 on small inputs), so
-# force each length (1000: one run per column block). A row's line grid depends on the pitch P: the "_p128"
-# layouts have P a multiple of 128 (every row line-aligned), the others an odd number of 16-byte chunks (rows
-# start at all 8 positions of a line). Groups smaller than a chunk, several groups per line, empty groups
-# (also last), and runs that end inside the tail.
+# force each length (1000: one run per column block). With 128-token group starts and P a multiple of 128 every
+# slot owns whole lines (the parking path is kept for the line grid the kernel does not assume); the layouts still
+# cover groups smaller than a chunk, empty groups (also last), and runs that end inside the tail.
 RESIDUES = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 143, 129, 130, 131, 255, 257, 0, 1]
 RUN_LAYOUTS = {
     "residues": RESIDUES + [0],
@@ -294,7 +293,7 @@ def test_grouped_runs_of_slots(gen, monkeypatch, run, layout, fused):
     monkeypatch.setenv("MEGATRON_TMA_QUANT_RUN", str(run))
     sizes = RUN_LAYOUTS[layout]
     pitch = wgrad_pitch(sum(sizes), len(sizes))
-    assert (pitch % 128 == 0) if layout.endswith("_p128") else (pitch // 16 % 2 == 1)
+    assert pitch % 128 == 0  # the 128-token layout: every row starts on a line, every slot owns whole lines
     x = special_rows(sum(sizes), 272, gen, torch.bfloat16)
     run_fused(x, sizes) if fused else run_grouped(x, sizes)
 
@@ -312,18 +311,18 @@ def test_grouped_many_groups(gen, num_groups, fused):
 @pytest.mark.parametrize("fmt", GROUP_FORMATS, ids=lambda f: f"{f[0]}-{str(f[1]).replace('torch.', '')}")
 @pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
 def test_grouped_empty_tokens(fmt, fused):
-    # M == 0 is still a launch: qt [K, 16 G] and s [G, K] are all zeros, written by the kernel (poisoned first).
+    # M == 0 is still a launch: qt [K, 128 G] and s [G, K] are all zeros, written by the kernel (poisoned first).
     G, k = 3, 272
     x = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
     groups = group_tensor([0] * G, fmt, DEV)
     num_groups = G if fmt[0] == "offsets" else None
-    poison_allocations(k * 16 * G, G * k * 4)
+    poison_allocations(k * 128 * G, G * k * 4)
     if fused:
         q, s1, qt, s = quantize_1x128_and_grouped_128x1(x, groups, num_groups=num_groups, backend="cuda")
         assert q.shape == (0, k) and s1.shape == (0, 3)
     else:
         qt, s = quantize_grouped_128x1(x, groups, num_groups=num_groups, backend="cuda")
-    assert qt.shape == (k, 16 * G) and qt.is_contiguous() and not qt.view(torch.uint8).any()
+    assert qt.shape == (k, 128 * G) and qt.is_contiguous() and not qt.view(torch.uint8).any()
     assert s.shape == (G, k) and not s.view(torch.int32).any()
     rqt, rs = R.quantize_grouped_128x1(x, groups, num_groups=num_groups)
     assert_fp8_equal(qt, rqt)
@@ -410,7 +409,7 @@ def test_no_host_synchronisation(gen):
 
 
 def test_empty_tokens_in_a_cuda_graph():
-    """M == 0 captured: every replay writes qt [K, 16 G] and s [G, K] as zeros (filled with 0x7f in between)."""
+    """M == 0 captured: every replay writes qt [K, 128 G] and s [G, K] as zeros (filled with 0x7f in between)."""
     k, g = 160, 5
     x = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
     sizes = torch.zeros(g, dtype=torch.int64, device=DEV)
@@ -432,7 +431,7 @@ def test_empty_tokens_in_a_cuda_graph():
             t.view(torch.uint8).fill_(0x7F)
         graph.replay()
         torch.cuda.synchronize()
-        for t, shape in ((qt, (k, 16 * g)), (qt2, (k, 16 * g)), (s, (g, k)), (s2, (g, k))):
+        for t, shape in ((qt, (k, 128 * g)), (qt2, (k, 128 * g)), (s, (g, k)), (s2, (g, k))):
             assert t.shape == shape and t.is_contiguous() and not t.view(torch.uint8).any()
 
 

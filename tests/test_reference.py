@@ -357,22 +357,22 @@ WGRAD_GROUPINGS = {
 
 
 def _aligned_starts(sizes):
-    """a_g = sum_{h<g} round_up(M_h, 16), written out independently of the package, [G+1]."""
+    """a_g = sum_{h<g} round_up(M_h, 128), written out independently of the package, [G+1]."""
     starts = [0]
     for m in sizes:
-        starts.append(starts[-1] + -(-m // 16) * 16)
+        starts.append(starts[-1] + -(-m // 128) * 128)
     return starts
 
 
 @pytest.mark.parametrize("name", sorted(WGRAD_GROUPINGS))
 def test_grouped_128x1_layout(gen, name):
-    """qt is a contiguous [K, P], P = round_up(M, 16) + 16 G; group g's tokens sit at columns [a_g, a_g + M_g), each
+    """qt is a contiguous [K, P], P = round_up(M, 128) + 128 G; group g's tokens sit at columns [a_g, a_g + M_g), each
     128-token block quantized per column from the group's first token; every other column is zero."""
     sizes = WGRAD_GROUPINGS[name]
     M, K, num_groups = sum(sizes), 48, len(sizes)
     x = random_rows(M, K, gen)
     qt, s = R.quantize_grouped_128x1(x, torch.tensor(sizes))
-    P = -(-M // 16) * 16 + 16 * num_groups
+    P = -(-M // 128) * 128 + 128 * num_groups
     assert qt.shape == (K, P) and qt.is_contiguous() and qt.dtype == FP8
     assert s.shape == (M // 128 + num_groups, K) and s.is_contiguous() and s.dtype == torch.float32
     starts = _aligned_starts(sizes)
@@ -408,10 +408,10 @@ def test_grouped_128x1_layout_same_for_every_group_format(gen, name, groups_form
 
 @pytest.mark.parametrize("num_groups", [1, 3, 256])
 def test_grouped_128x1_no_tokens(num_groups):
-    """M == 0 (an expert-parallel rank that received no token): qt is [K, 16 G] zeros and s [G, K] zeros."""
+    """M == 0 (an expert-parallel rank that received no token): qt is [K, 128 G] zeros and s [G, K] zeros."""
     qt, s = R.quantize_grouped_128x1(torch.zeros(0, 32, dtype=torch.bfloat16),
                                      torch.zeros(num_groups, dtype=torch.int32))
-    assert qt.shape == (32, 16 * num_groups) and qt.is_contiguous() and not qbytes(qt).any()
+    assert qt.shape == (32, 128 * num_groups) and qt.is_contiguous() and not qbytes(qt).any()
     assert s.shape == (num_groups, 32) and not s.any()
 
 
@@ -433,7 +433,7 @@ def test_empty_inputs():
     q, s = R.quantize_1x128(torch.zeros(0, 256))
     assert q.shape == (0, 256) and s.shape == (0, 2)
     qt, s = R.quantize_grouped_128x1(torch.zeros(0, 32), torch.zeros(3, dtype=torch.int64))
-    assert qt.shape == (32, 48) and (qbytes(qt) == 0).all() and s.shape == (3, 32) and (s == 0).all()
+    assert qt.shape == (32, 384) and (qbytes(qt) == 0).all() and s.shape == (3, 32) and (s == 0).all()
     a, a_s = R.quantize_1x128(torch.zeros(0, 128, dtype=torch.bfloat16))
     wq, ws, _, _ = R.quantize_128x128(torch.ones(3, 32, 128))
     y = R.m_grouped_fp8_gemm(a, a_s, wq, ws, torch.zeros(3, dtype=torch.int32))
@@ -540,10 +540,10 @@ def test_k_grouped_exact_semantics(gen):
     x_t, x_s = R.quantize_grouped_128x1(random_rows(M, 3, gen), torch.tensor(sizes))
     c = torch.randn(3, 2, 3, generator=gen)
     out = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, torch.tensor(sizes), out=c.clone(), accumulate=True)
-    assert dy_t.shape == (2, 192) and x_t.shape == (3, 192)  # P = round_up(135, 16) + 16 * 3
+    assert dy_t.shape == (2, 640) and x_t.shape == (3, 640)  # P = round_up(135, 128) + 128 * 3
     dv, xv = dy_t.double().tolist(), x_t.double().tolist()
-    # (scale row, first column, end column): group 2 starts at a_2 = round_up(130, 16) + 0 = 144
-    blocks = {0: [(0, 0, 128), (1, 128, 130)], 1: [], 2: [(2, 144, 149)]}
+    # (scale row, first column, end column): group 2 starts at a_2 = round_up(130, 128) + 0 = 256
+    blocks = {0: [(0, 0, 128), (1, 128, 130)], 1: [], 2: [(2, 256, 261)]}
     for g in range(3):
         for n in range(2):
             for k in range(3):
@@ -658,7 +658,7 @@ def test_k_grouped_accuracy_and_accumulate(gen, dist):
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("name", ["grouping_edges_shuffled", "edge_sizes", "mixed", "one_17"])
 def test_k_grouped_padded_equals_unpadded(gen, align, name):
-    """The GEMM on the 16-aligned layout equals the padded path bit for bit: every group padded with zero tokens to
+    """The GEMM on the 128-aligned layout equals the padded path bit for bit: every group padded with zero tokens to
     a multiple of `align` (the quantizer run on x with zero rows inserted, the GEMM with the padded sizes)."""
     sizes = torch.tensor(WGRAD_GROUPINGS[name])
     dy, x, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
@@ -709,7 +709,7 @@ def test_k_grouped_num_groups_and_out_give_g(gen, fmt):
     assert torch.equal(T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, groups, num_groups=4),
                        T.k_grouped_ref64(dy_t, dy_s, x_t, x_s, torch.tensor(sizes)))
     if fmt[0] == "offsets":  # read as 5 sizes: they need more columns than P holds
-        with pytest.raises(ValueError, match=r"wgrad operands have P = 240 \(offsets \[G\+1\] need num_groups"):
+        with pytest.raises(ValueError, match=r"wgrad operands have P = 768 \(offsets \[G\+1\] need num_groups"):
             R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups)
     with pytest.raises(ValueError, match="out holds 4 groups but num_groups=3"):
         R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, groups, out=out, num_groups=3)
@@ -734,10 +734,10 @@ def test_gemm_argument_errors(gen):
         R.k_grouped_fp8_gemm(dy_t, dy_s, x_t[:, :32], x_s, torch.tensor([3, 2]))
     with pytest.raises(ValueError, match=r"dy_s and x_s must be \[MB, N\] and \[MB, K\] with one MB"):
         R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s[:1], torch.tensor([3, 2]))
-    with pytest.raises(ValueError, match=r"round_up\(M_g, 16\) = 48 token columns, but the wgrad operands have P = 32"):
+    with pytest.raises(ValueError, match=r"round_up\(M_g, 128\) = 256 token columns, but the wgrad operands have P = 32"):
         R.k_grouped_fp8_gemm(dy_t[:, :32], dy_s, x_t[:, :32], x_s, torch.tensor([3, 20]))
     with pytest.raises(ValueError, match=r"3 token blocks, but the token-block scales have 2 rows"):
-        R.dequantize_grouped_128x1(x_t, x_s, torch.tensor([1, 1, 1]))  # 48 columns fit P = 48, 3 blocks do not
+        R.dequantize_grouped_128x1(x_t, x_s, torch.tensor([1, 1, 1]))  # 384 columns fit P = 384, 3 blocks do not
     with pytest.raises(ValueError, match=r"y_pad has 5 rows, but the groups padded to 16 have 32"):
         R.unpad_rows(torch.zeros(5, 4), torch.tensor([3, 2]), 16)
 

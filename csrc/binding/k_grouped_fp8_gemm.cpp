@@ -50,9 +50,9 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
                       "token-block scales must be contiguous [M_total // 128 + G, rows]");
   }
   TORCH_CHECK_VALUE(dy_t_scales.size(1) == N && x_t_scales.size(1) == K, "scale widths must be N and K");
-  TORCH_CHECK_VALUE(P >= 16 * G + 128 * (MB - G), "the operands' ", P, " columns cannot hold M_total >= ",
-                    128 * (MB - G), " tokens of ", G, " groups starting on 16-token boundaries (P = round_up(M_total, "
-                    "16) + 16 G, as quantize_grouped_128x1 allocates)");
+  TORCH_CHECK_VALUE(P >= 128 * MB, "the operands' ", P, " columns cannot hold M_total >= ", 128 * (MB - G),
+                    " tokens of ", G, " groups starting on 128-token boundaries (P >= 128 MB: quantize_grouped_128x1 "
+                    "allocates P = round_up(M_total, 128) + 128 G and MB = M_total // 128 + G)");
   TORCH_CHECK_TYPE(groups.scalar_type() == at::kInt || groups.scalar_type() == at::kLong,
                    "groups must be int32 or int64, got ", groups.scalar_type());
   TORCH_CHECK_VALUE(groups.is_cuda() && groups.dim() == 1 && groups.is_contiguous() &&

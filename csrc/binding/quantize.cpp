@@ -83,10 +83,10 @@ megatron_tma::GroupsArg check_groups(const at::Tensor& groups, int64_t num_group
           groups.numel() == num_groups + 1 ? 1 : 0};
 }
 
-// qt's row pitch P = round_up(M, 16) + 16 G (docs/design.md §4), from M and G alone: no host read of the groups.
+// qt's row pitch P = round_up(M, 128) + 128 G (docs/design.md §4), from M and G alone: no host read of the groups.
 int64_t checked_wgrad_pitch(int64_t M, int64_t num_groups) {
   const int64_t P = megatron_tma::wgrad_pitch(M, num_groups);
-  TORCH_CHECK_VALUE(P <= INT_MAX, "round_up(M, 16) + 16 G (the qt row pitch) must fit in int32, got ", P);
+  TORCH_CHECK_VALUE(P <= INT_MAX, "round_up(M, 128) + 128 G (the qt row pitch) must fit in int32, got ", P);
   return P;
 }
 

@@ -130,7 +130,7 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
     return cudaErrorInvalidValue;
   const int64_t ld = wgrad_pitch(m, G), mb_max = m / kBlock + G;
   if (k == 0) return cudaSuccess;  // every output is empty
-  // m == 0 still launches: qt [k, 16 G] and s [G, k] are zeros to write (x is never read).
+  // m == 0 still launches: qt [k, 128 G] and s [G, k] are zeros to write (x is never read).
   if ((m > 0 && !aligned16(x)) || !aligned16(qt) || mb_max >= INT_MAX) return cudaErrorInvalidValue;
   if (q != nullptr && (s1_ld < m || s1_ld > INT_MAX || s1_ld % 4 != 0 || (m > 0 && !aligned16(q))))
     return cudaErrorInvalidValue;

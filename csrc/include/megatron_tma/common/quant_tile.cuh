@@ -7,7 +7,7 @@
 //  quantize_1x128_kernel          x [M, K] -> q [M, K], one scale per row per 128 columns.
 //  quantize_128x128_kernel        w [G, N, K] -> q [G, N, K] and qt = q^T [G, K, N] in one pass, one
 //                                 scale per 128x128 block (s and its transpose st).
-//  quantize_grouped_128x1_kernel  x [M, K] -> qt [K, P], each group's tokens transposed from a 16-aligned
+//  quantize_grouped_128x1_kernel  x [M, K] -> qt [K, P], each group's tokens transposed from a 128-aligned
 //                                 column, one scale per column per 128-token block of each group (blocks
 //                                 start at a group's first row);
 //                                 optionally also the 1x128 q and scales of the same x in the same pass

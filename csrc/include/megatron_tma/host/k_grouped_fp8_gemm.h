@@ -6,7 +6,7 @@
 namespace megatron_tma {
 
 struct KGroupedGemmArgs {
-  const void* a;          // dY^T e4m3 [n, p_tokens] (tokens contiguous, group g at columns a_g = sum round_up(M_h, 16))
+  const void* a;          // dY^T e4m3 [n, p_tokens] (tokens contiguous, group g at columns a_g = sum round_up(M_h, 128))
   const float* a_scales;  // fp32 [num_blocks_max, n]
   const void* b;          // X^T e4m3 [k, p_tokens]
   const float* b_scales;  // fp32 [num_blocks_max, k]

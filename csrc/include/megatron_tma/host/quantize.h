@@ -21,9 +21,13 @@ enum class QuantInput : int { kBf16 = 0, kFp16 = 1 };
 // Largest G quantize_grouped_128x1 accepts (group, column and token-block offsets live in shared memory).
 constexpr int kQuantizeGroupedMaxGroups = 8192;
 
-// Row pitch P of the wgrad operand qt [k, P] (docs/design.md §4): the upper bound round_up(m, 16) + 16 G of the
-// 16-aligned group starts, known on the host from m and G alone.
-constexpr int64_t wgrad_pitch(int64_t m, int64_t num_groups) { return (m + 15) / 16 * 16 + 16 * num_groups; }
+// Row pitch P of the wgrad operand qt [k, P] (docs/design.md §4): round_up(m, 128) + 128 G, the upper bound of the
+// 128-token group starts' a_G, known on the host from m and G alone; a multiple of 128, so that every token block
+// of every row is one whole 128-byte line.
+constexpr int kWgradAlign = 128;
+constexpr int64_t wgrad_pitch(int64_t m, int64_t num_groups) {
+  return (m + kWgradAlign - 1) / kWgradAlign * kWgradAlign + kWgradAlign * num_groups;
+}
 
 // x [m, k] -> q e4m3 [m, k] and 1x128 scales: the scale of row r, column block kb (k/128 rounded up)
 // at s[kb * s_ld + r]. s_ld >= m, a multiple of 4; entries m..s_ld-1 of each block row are set to 1.0.
@@ -36,7 +40,7 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
                              float* s, void* qt, float* st, cudaStream_t stream);
 
 // x [m, k] -> qt e4m3 [k, P] contiguous, P = wgrad_pitch(m, G): group g's tokens at columns
-// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16) (qt[c * P + a_g + t] = q(x[o_g + t, c])), every other
+// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 128) (qt[c * P + a_g + t] = q(x[o_g + t, c])), every other
 // column set to 0; and s [m/128 + G, k] (row b = the b-th 128-token block, counting each group's blocks from
 // its first row; rows past the last used block set to 0). P <= INT_MAX. `groups` is the device sizes [G] or
 // offsets [G+1] tensor, 1 <= G <= kQuantizeGroupedMaxGroups. m == 0 is a launch too (qt all zero, s zero).

@@ -1,5 +1,5 @@
 // quantize_grouped_128x1_kernel: wgrad operands x [M, K] -> qt [K, P], each group's tokens transposed
-// from a 16-aligned column, one scale per column per 128-token block of each group; optionally also the 1x128
+// from a 128-aligned column, one scale per column per 128-token block of each group; optionally also the 1x128
 // q and scales of the same x in the same pass.
 // Shared tile scheme, input types and vector helpers: common/quant_tile.cuh. Host launcher:
 // csrc/instantiations/quantize.cu.
@@ -12,13 +12,14 @@ namespace quant {
 // ================================================================================================
 // Per-group 128x1 token blocks: wgrad operands
 // ================================================================================================
-// Layout (docs/design.md §4): qt is [k, ld], ld = round_up(m, 16) + 16 G. Group g's tokens sit at columns
-// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 16); every other column is zero.
+// Layout (docs/design.md §4): qt is [k, ld], ld = round_up(m, 128) + 128 G. Group g's tokens sit at columns
+// [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 128); every other column is zero (the GEMM reads a group's
+// partial last block whole and relies on it).
 //
 // Work is cut into slots, mb_max + 1 per column block, each owning a run of whole 16-byte chunks of every qt
 // row. Slot b below the used token blocks is token block b (block j of group g: x rows off_g + 128 j.., qt
-// columns a_g + 128 j..) and owns round_up(rows, 16) columns, so a group's last block also owns the zero gap
-// up to the next group's start (its tile holds zeros there). The slots past the used blocks own the tail
+// columns a_g + 128 j..) and owns 128 columns, so a group's last block also owns the zero gap up to the next
+// group's start (its tile holds zeros there). The slots past the used blocks own the tail
 // [a_G, ld) in 128-column pieces, the last one (index mb_max, which has no scale row) all that is left.
 // Together the slots of a column block cover every qt row [0, ld) once, in order, and every slot starts
 // 16-byte aligned: the stores are whole chunks, never shifted or split into bytes.
@@ -36,7 +37,7 @@ struct QuantizeGroupedParams {
   float* s;       // [mb_max, k]: the scale of column c over token block b at s[b * k + c]
   GroupsArg groups;
   int m, k;       // k multiple of 16
-  int ld;         // round_up(m, 16) + 16 G (the host checks that it fits an int)
+  int ld;         // round_up(m, 128) + 128 G (the host checks that it fits an int)
   int mb_max;     // m / 128 + G: rows of s; rows past the used blocks are written as 0
   int run;        // slots per work unit (>= 1): a CTA quantizes slots b..b+run-1 of one column block
   // The fused 1x128 outputs (kAlso1x128 only), as in Quantize1x128Params.
@@ -48,7 +49,7 @@ struct QuantizeGroupedParams {
 struct Slot {
   int row0;    // first x row of the token block
   int rows;    // its tokens, 1..128; 0 for the tail slots (zeros only)
-  int col;     // first qt column, a multiple of 16
+  int col;     // first qt column, a multiple of 128
   int chunks;  // 16-byte chunks of each qt row it owns, 0..8
 };
 
@@ -69,8 +70,7 @@ struct GroupedUnits {
 // Slot b: group g owns token blocks [blk[g], blk[g+1]). `group` is the group of the previous lookup: the blocks
 // of a run mostly stay in it, so it is checked first; the search otherwise keeps blk[lo] <= b < blk[hi], which
 // skips empty groups. The last slot's piece of the tail is at most 128 columns: with U = mb_max - blk[G] tail
-// slots before it, ld - col[G] - 128 U = (round_up(m, 16) - 128 (m / 128)) + sum_g (128 ceil(M_g / 128) -
-// round_up(M_g, 16) - 112), where the first term is <= 128 and every summand <= 0 (M_g as clamped to m).
+// slots before it, col[G] = 128 blk[G] and ld - col[G] - 128 U = round_up(m, 128) - 128 (m / 128) <= 128.
 __device__ __forceinline__ Slot find_slot(const int* off, const int* col, const int* blk, int num_groups, int ld,
                                           int mb_max, int b, int& group) {
   const int used = blk[num_groups];
@@ -92,7 +92,7 @@ __device__ __forceinline__ Slot find_slot(const int* off, const int* col, const 
   const int j = b - blk[lo];
   const int row0 = off[lo] + kBlock * j;
   const int rows = min(kBlock, off[lo + 1] - row0);
-  return {row0, rows, col[lo] + kBlock * j, (rows + 15) >> 4};
+  return {row0, rows, col[lo] + kBlock * j, kBlock / 16};  // the whole block: tokens, then the gap's zeros
 }
 
 // The store phase of one slot: its chunks [col, col + 16 chunks) of tile rows [0, kvalid) to qt rows
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   const GroupsArg groups = p.groups;
   block_exclusive_scan(G, [groups](int g) { return groups_size(groups, g); }, off, p.m,
                        reinterpret_cast<int*>(scan_scratch));
-  block_exclusive_scan(G, [off](int g) { return (off[g + 1] - off[g] + 15) & ~15; }, col, p.ld,
+  block_exclusive_scan(G, [off](int g) { return (off[g + 1] - off[g] + kBlock - 1) / kBlock * kBlock; }, col, p.ld,
                        reinterpret_cast<int*>(scan_scratch));
   block_exclusive_scan(G, [off](int g) { return (off[g + 1] - off[g] + kBlock - 1) / kBlock; }, blk, p.mb_max,
                        reinterpret_cast<int*>(scan_scratch));
