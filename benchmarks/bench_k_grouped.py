@@ -22,6 +22,15 @@ Both kinds also time, on the same operands:
 and the BF16 rows `dense_cublas` (torch._scaled_mm, same FLOPs, BF16 out; timed once per (M, N, K): it does
 not depend on the group sizes, so the rows of the other distributions repeat the first one's time).
 
+Whenever `import deep_gemm` succeeds, the fp32_acc rows also time DeepGEMM 2.6.1 (deepseek-ai/DeepGEMM),
+`deepgemm`: its K-grouped FP8 wgrad (k_grouped_fp8_gemm_nt_contiguous, which writes FP32 and accumulates into C,
+so it has no place on the BF16 rows) on the same FP8 bytes and scales, laid out as it requires (each group
+round_up(M_g, 128) tokens, K-major blocks concatenated: benchmarks/deepgemm_baseline.py), accumulating into the
+same main_grad. That layout and the host list of group sizes are built before timing and not timed; one untimed
+call (its JIT compile per shape) gives `deepgemm_bitexact`: torch.equal of its result with ours accumulated into
+the same non-zero C. Without deep_gemm those fields are absent and the run says so once; the JSON's top level
+records `deepgemm_present` and `deepgemm_version`.
+
 The padded operands are exactly what quantize_grouped_128x1 gives on x with zero rows inserted so that every
 group has round_up(M_g, 128) rows, called with sizes round_up(M_g, 128); they are built by a column gather of
 our [K, P] operands (padded_column_index) and checked once per configuration against that quantizer call, so
@@ -31,7 +40,8 @@ Every row: ours_ms, roofline_ms (max(2MNK / dense FP8 rate, bytes / copy bandwid
 bytes = the FP8 operands and their token-block scales plus the output: 2 bytes per element written for BF16,
 4 read + 4 written for the FP32 accumulate), ours_over_roofline, tokens_per_group (M / G), bitexact (ours equals
 the padded GEMM, torch.equal on the same output kind; the FP32 rows accumulate into the same non-zero C) and
-speedup_vs_<base> (base_ms / ours_ms) for each baseline the row has.
+speedup_vs_<base> (base_ms / ours_ms) for each baseline the row has (with DeepGEMM: deepgemm_ms,
+deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows).
 
     python benchmarks/bench_k_grouped.py [--quick] [--iters 25] [--out DIR]
 """
@@ -43,16 +53,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import deepgemm_baseline  # noqa: E402
 from bench_m_grouped import DISTS, MORE, TABLE, geomean, rowwise_fp8  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
-from megatron_tma.groups import make_group_sizes, wgrad_pitch  # noqa: E402
+from megatron_tma.groups import WGRAD_ALIGN, make_group_sizes, wgrad_pitch  # noqa: E402
 
 OUT_KINDS = ("bf16", "fp32_acc")
 # Methods timed per output kind, ours first; the others are the row's baselines (speedup_vs_<base>).
 METHODS = {"bf16": ("ours", "padded_path", "padded_gemm", "torch_rowwise", "bf16", "dense_cublas"),
            "fp32_acc": ("ours", "padded_path", "padded_gemm", "bf16_fp32_acc")}
+# Baselines timed only where their library imports (timing_plan's deepgemm=True): DeepGEMM writes FP32 only.
+OPTIONAL_METHODS = {"bf16": (), "fp32_acc": ("deepgemm",)}
 # Output bytes per [G, N, K] element in the roofline: BF16 written; FP32 main_grad read and written.
 OUT_BYTES = {"bf16": 2, "fp32_acc": 8}
 BIG_GROUP_TOKENS = 2048  # the issue's "large groups" (geomean target): M >= 2048 G, as check-targets filters
@@ -67,7 +80,8 @@ def round_up(v: int, a: int) -> int:
 
 
 def group_starts(sizes, align: int) -> list:
-    """[G+1] exclusive prefix sums of round_up(M_g, align): align=16 gives our column starts a_g (and a_G)."""
+    """[G+1] exclusive prefix sums of round_up(M_g, align): align=WGRAD_ALIGN gives our column starts a_g (and
+    a_G)."""
     starts = [0]
     for s in sizes:
         starts.append(starts[-1] + round_up(s, align))
@@ -80,7 +94,7 @@ def padded_sizes(sizes, align: int = PAD_ALIGN) -> list:
 
 def token_columns(sizes) -> list:
     """Our column a_g + t of every token (groups in order): the only columns of qt that may be non-zero."""
-    a = group_starts(sizes, 16)
+    a = group_starts(sizes, WGRAD_ALIGN)
     return [c for g, s in enumerate(sizes) for c in range(a[g], a[g] + s)]
 
 
@@ -96,10 +110,10 @@ def padded_column_index(sizes, align: int = PAD_ALIGN) -> list:
     quantize_grouped_128x1 returns for x with zero rows inserted so that group g has round_up(M_g, align) rows
     (P_pad = wgrad_pitch(sum of those, G)). Group g's tokens sit at our columns a_g + t; every padding column and
     the padded tail read our last column P - 1, which is always zero: the tail [a_G, P) has
-    P - a_G >= round_up(M, 16) + 16 G - (M + 15 G) >= G >= 1 columns."""
+    P - a_G >= round_up(M, A) + A G - (M + (A - 1) G) >= G >= 1 columns (A = WGRAD_ALIGN)."""
     G, m = len(sizes), sum(sizes)
     zero = wgrad_pitch(m, G) - 1
-    a = group_starts(sizes, 16)
+    a = group_starts(sizes, WGRAD_ALIGN)
     idx = []
     for g, s in enumerate(sizes):
         idx += range(a[g], a[g] + s)
@@ -121,21 +135,26 @@ def roofline_ms(G: int, M: int, N: int, K: int, out: str, ceilings: dict) -> flo
                roofline_bytes(G, M, N, K, out) / (ceilings["copy_tbps"] * 1e9))
 
 
-def timing_plan(configs) -> list:
+def methods(kind: str, deepgemm: bool = False) -> tuple:
+    """The methods of an out kind's rows, ours first; with deepgemm=True also the optional baselines."""
+    return METHODS[kind] + (OPTIONAL_METHODS[kind] if deepgemm else ())
+
+
+def timing_plan(configs, deepgemm: bool = False) -> list:
     """Per configuration ((G, M, N, K), dist), the methods it times as 'method@out' names; dense_cublas only at
-    the first configuration of its (M, N, K)."""
+    the first configuration of its (M, N, K); deepgemm@fp32_acc when deepgemm=True (deep_gemm imports)."""
     seen, plan = set(), []
     for (G, M, N, K), _dist in configs:
-        plan.append([f"{m}@{kind}" for kind in OUT_KINDS for m in METHODS[kind]
+        plan.append([f"{m}@{kind}" for kind in OUT_KINDS for m in methods(kind, deepgemm)
                      if not (m == "dense_cublas" and (M, N, K) in seen)])
         seen.add((M, N, K))
     return plan
 
 
-def timed_calls(configs, iters: int) -> int:
+def timed_calls(configs, iters: int, deepgemm: bool = False) -> int:
     """Timed calls of a run (each after an L2 flush); common.bench_interleaved adds 5 untimed warm-up calls per
     method."""
-    return iters * sum(len(names) for names in timing_plan(configs))
+    return iters * sum(len(names) for names in timing_plan(configs, deepgemm))
 
 
 def assign_timings(rows: dict, results: dict, flops: float) -> None:
@@ -155,7 +174,7 @@ def finish_row(row: dict) -> dict:
     """ours_over_roofline and speedup_vs_<base> (base_ms / ours_ms) for every baseline of the row's kind present."""
     if row.get("ours_ms"):
         row["ours_over_roofline"] = round(row["ours_ms"] / row["roofline_ms"], 3)
-        for base in METHODS[row["out"]][1:]:
+        for base in methods(row["out"], deepgemm=True)[1:]:
             if row.get(f"{base}_ms"):
                 row[f"speedup_vs_{base}"] = round(row[f"{base}_ms"] / row["ours_ms"], 4)
     return row
@@ -197,6 +216,10 @@ def summarize(rows) -> dict:
     s["geomean_vs_bf16"], s["min_vs_bf16"] = _gm(bf), _min(bf)
     s["geomean_vs_bf16_fp32_acc"] = _gm([r.get("speedup_vs_bf16_fp32_acc") for r in rows if r["out"] == "fp32_acc"])
     s["all_bitexact"] = bool(rows) and all(r.get("bitexact") is True for r in rows)
+    dg = [r.get("speedup_vs_deepgemm") for r in rows if r["out"] == "fp32_acc"]
+    s["geomean_vs_deepgemm"], s["min_vs_deepgemm"] = _gm(dg), _min(dg)
+    dg_bits = [r["deepgemm_bitexact"] for r in rows if "deepgemm_bitexact" in r]
+    s["all_deepgemm_bitexact"] = all(b is True for b in dg_bits) if dg_bits else None
     return s
 
 
@@ -221,10 +244,10 @@ def check_layout(name, qt, s, sizes, K, tokens):
         raise AssertionError(f"{name}: qt has non-zero bytes outside the groups' columns")
 
 
-def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev="cuda"):
+def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev="cuda", dg=None):
     """The two rows [bf16, fp32_acc] of one configuration; `names` is its timing_plan entry, dense_cache
-    {(M, N, K): dense_cublas time} carries that time to the other distributions. (dev="cpu": the CPU test's dry
-    run on the reference backend, timing faked.)"""
+    {(M, N, K): dense_cublas time} carries that time to the other distributions; dg the deep_gemm module when
+    `names` holds deepgemm@fp32_acc. (dev="cpu": the CPU test's dry run on the reference backend, timing faked.)"""
     gen = torch.Generator(device=dev).manual_seed(seed)
     sizes_t = make_group_sizes(M, G, dist, seed)
     sizes = sizes_t.tolist()
@@ -285,7 +308,24 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
     k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_ours, accumulate=True)
     k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, out=c_pad, accumulate=True)
     rows["fp32_acc"]["bitexact"] = bool(torch.equal(c_ours, c_pad))
-    del c_ours, c_pad
+    del c_pad
+
+    # DeepGEMM's operands (built here, not timed); this untimed call is also its JIT warm-up for the shape.
+    dg_args = None
+    if "deepgemm@fp32_acc" in names:
+        if dg is None:
+            raise ValueError("deepgemm@fp32_acc is in the timing plan but no deep_gemm module was given")
+        try:
+            dg_args = deepgemm_baseline.k_grouped_args(dyt, dys, xt, xs, sizes)
+            c_dg = main_grad.clone()
+            deepgemm_baseline.run_k_grouped(dg, dg_args, c_dg)
+            rows["fp32_acc"]["deepgemm_bitexact"] = bool(torch.equal(c_dg, c_ours))
+            del c_dg
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
+            rows["fp32_acc"]["deepgemm_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            names = [n for n in names if n != "deepgemm@fp32_acc"]
+            dg_args = None
+    del c_ours
 
     # torch's 2d-2d grouped GEMMs: non-empty groups of a multiple of 16 tokens (not timed: built once)
     s16 = [max(round_up(s, 16), 16) for s in sizes]
@@ -316,6 +356,8 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
         "padded_gemm@fp32_acc": lambda: k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, **acc),
         "bf16_fp32_acc@fp32_acc": lambda: main_grad.add_(torch._grouped_mm(dy16.t(), x16, offs=offs16)),
     }
+    if dg_args is not None:
+        fns["deepgemm@fp32_acc"] = lambda: deepgemm_baseline.run_k_grouped(dg, dg_args, main_grad)
     if "dense_cublas@bf16" in names:
         a_d = _u8(dyt)[:, :M].contiguous().view(dyt.dtype)        # [N, M] row-major, any FP8 data: same FLOPs
         b_d = _u8(xt)[:, :M].contiguous().view(xt.dtype).t()      # [M, K] column-major
@@ -340,13 +382,17 @@ def _f(row, key, fmt="8.3f"):
 
 
 def print_table(rows):
+    dg = any("deepgemm_ms" in r or "deepgemm_bitexact" in r or "deepgemm_error" in r for r in rows)
     print(f"\n{'G':>3} {'M':>6} {'N':>5} {'K':>5} {'dist':>8} {'out':>8} {'ours_ms':>8} {'roof_ms':>8} {'x_roof':>6} "
-          f"{'padpath':>8} {'padgemm':>8} {'rowwise':>8} {'bf16':>8} {'bf16+acc':>8} {'x_bf16':>6} {'x_rw':>6}  exact")
+          f"{'padpath':>8} {'padgemm':>8} {'rowwise':>8} {'bf16':>8} {'bf16+acc':>8} {'x_bf16':>6} {'x_rw':>6}"
+          + (f" {'deepgemm':>8} {'x_dg':>6} {'dg_exact':>8}" if dg else "") + "  exact")
     for r in rows:
         print(f"{r['G']:>3} {r['M']:>6} {r['N']:>5} {r['K']:>5} {r['dist']:>8} {r['out']:>8} {_f(r, 'ours_ms')} "
               f"{_f(r, 'roofline_ms')} {_f(r, 'ours_over_roofline', '6.2f')} {_f(r, 'padded_path_ms')} "
               f"{_f(r, 'padded_gemm_ms')} {_f(r, 'torch_rowwise_ms')} {_f(r, 'bf16_ms')} {_f(r, 'bf16_fp32_acc_ms')} "
-              f"{_f(r, 'speedup_vs_bf16', '6.2f')} {_f(r, 'speedup_vs_torch_rowwise', '6.2f')}  {r['bitexact']}")
+              f"{_f(r, 'speedup_vs_bf16', '6.2f')} {_f(r, 'speedup_vs_torch_rowwise', '6.2f')}"
+              + (f" {_f(r, 'deepgemm_ms')} {_f(r, 'speedup_vs_deepgemm', '6.2f')} "
+                 f"{r.get('deepgemm_bitexact', '-')!s:>8}" if dg else "") + f"  {r['bitexact']}")
 
 
 def main():
@@ -356,22 +402,29 @@ def main():
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
     configs = [(c, "paper") for c in TABLE] if args.quick else [(c, d) for c in TABLE + MORE for d in DISTS]
-    plan = timing_plan(configs)
-    print(f"{len(configs)} configurations, {2 * len(configs)} rows, {timed_calls(configs, args.iters)} timed calls",
-          flush=True)
+    dg, dg_why = deepgemm_baseline.load()
+    if dg is None:
+        print(f"DeepGEMM is not importable ({dg_why}): no deepgemm columns in this run", flush=True)
+    else:
+        print(f"DeepGEMM {deepgemm_baseline.version(dg)}: timed on the fp32_acc rows", flush=True)
+    plan = timing_plan(configs, deepgemm=dg is not None)
+    print(f"{len(configs)} configurations, {2 * len(configs)} rows, "
+          f"{timed_calls(configs, args.iters, deepgemm=dg is not None)} timed calls", flush=True)
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows, dense_cache = [], {}
     for i, (((G, M, N, K), dist), names) in enumerate(zip(configs, plan)):
         print(f"[{i + 1}/{len(configs)}] G={G} M={M} N={N} K={K} {dist}: {len(names)} methods ...", flush=True)
-        bf, fa = run_config(G, M, N, K, dist, 2000 + i, args.iters, ceilings, names, dense_cache)
+        bf, fa = run_config(G, M, N, K, dist, 2000 + i, args.iters, ceilings, names, dense_cache, dg=dg)
         rows += [bf, fa]
         print(f"    bf16: ours {bf.get('ours_ms')} ms ({bf.get('ours_over_roofline')}x roofline), "
               f"x{bf.get('speedup_vs_bf16')} vs bf16, x{bf.get('speedup_vs_torch_rowwise')} vs torch rowwise, "
               f"x{bf.get('speedup_vs_padded_path')} vs padded path, bitexact={bf['bitexact']}", flush=True)
         print(f"    fp32_acc: ours {fa.get('ours_ms')} ms ({fa.get('ours_over_roofline')}x roofline), "
               f"x{fa.get('speedup_vs_padded_path')} vs padded path, x{fa.get('speedup_vs_bf16_fp32_acc')} vs "
-              f"bf16 + add, bitexact={fa['bitexact']}", flush=True)
+              f"bf16 + add, bitexact={fa['bitexact']}"
+              + (f", x{fa.get('speedup_vs_deepgemm')} vs DeepGEMM (bitexact={fa.get('deepgemm_bitexact')})"
+                 if dg is not None else ""), flush=True)
         for r in (bf, fa):
             for key in [k for k in r if k.endswith("_error")]:
                 print(f"    {r['out']} {key}: {r[key]}", flush=True)
@@ -379,7 +432,8 @@ def main():
     summary = summarize(rows)
     command = "python benchmarks/bench_k_grouped.py" + (" --quick" if args.quick else "") + (
         f" --iters {args.iters}" if args.iters != 25 else "")
-    path = common.write_result("k_grouped", rows, ceilings, command=command, extra={"summary": summary},
+    path = common.write_result("k_grouped", rows, ceilings, command=command,
+                               extra={"summary": summary, **deepgemm_baseline.result_fields(dg, dg_why)},
                                out_dir=args.out)
     plot(rows, path.replace(".json", ".png"), args.out)
     print(f"wrote {path}")
@@ -406,9 +460,13 @@ def plot(rows, png, out_dir):
     ax1.set_ylabel("time / roofline (lower is better)")
     ax1.set_title("K-grouped FP8 wgrad on H200: BF16 out and FP32 accumulate into main_grad")
     ax1.legend(fontsize=7)
-    for j, base in enumerate(("bf16", "torch_rowwise")):
-        ax2.bar([x + (j - 0.5) * 0.4 for x in xs], [r.get(f"speedup_vs_{base}", 0) for r in bf], 0.4,
-                label=f"speedup vs {base} (BF16 out)")
+    bars = [("bf16", bf, "BF16 out"), ("torch_rowwise", bf, "BF16 out")]
+    if any("speedup_vs_deepgemm" in r for r in by["fp32_acc"]):
+        bars.append(("deepgemm", by["fp32_acc"], "FP32 accumulate"))
+    width = 0.8 / len(bars)
+    for j, (base, rs, kind) in enumerate(bars):
+        ax2.bar([x + (j - (len(bars) - 1) / 2) * width for x in xs], [r.get(f"speedup_vs_{base}", 0) for r in rs],
+                width, label=f"speedup vs {base} ({kind})")
     ax2.axhline(1.0, color="k", lw=0.8)
     ax2.axhline(1.3, color="tab:orange", lw=0.8, ls=":", label="target 1.3x (geomean)")
     ax2.set_ylabel("baseline time / ours (higher is better)")

@@ -2,6 +2,15 @@
 torch._scaled_grouped_mm (row-wise), BF16 torch._grouped_mm and one dense cuBLAS FP8 GEMM of equal FLOPs,
 all in one process on the same inputs. Writes benchmarks/results/m_grouped-<stamp>.json and a PNG.
 
+Whenever `import deep_gemm` succeeds, every row also times DeepGEMM 2.6.1 (deepseek-ai/DeepGEMM), `deepgemm`:
+m_grouped_fp8_gemm_nt_contiguous, BF16 out, on the padded GEMM's operands (our FP8 rows and scales padded to
+128-row groups by pad_rows_fp8, our 128x128 weights as they are) with its m_indices (-1 on padding rows), all built
+before timing and not timed (benchmarks/deepgemm_baseline.py). One untimed call (its JIT compile per shape) gives
+`deepgemm_bitexact`: torch.equal of its valid rows with our unpadded output. Row fields: deepgemm_ms,
+deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm (deepgemm_ms / ours_ms), or deepgemm_error. Without
+deep_gemm those fields are absent and the run says so once; the JSON's top level records `deepgemm_present` and
+`deepgemm_version`.
+
     python benchmarks/bench_m_grouped.py [--quick] [--out DIR]
 """
 import argparse
@@ -14,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import deepgemm_baseline  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import m_grouped_fp8_gemm, m_grouped_tile  # noqa: E402
@@ -53,7 +63,8 @@ def row_seed(i):
     return 1000 + i
 
 
-def run_config(G, M, N, K, dist, seed, iters):
+def run_config(G, M, N, K, dist, seed, iters, dg=None):
+    """One row; dg: the deep_gemm module, to time it too (None: no deepgemm fields)."""
     dev = "cuda"
     sizes, groups, x, w, aq, a_s, wq, ws = make_inputs(G, M, N, K, dist, seed)
     out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
@@ -75,6 +86,19 @@ def run_config(G, M, N, K, dist, seed, iters):
     a_pad, a_s_pad, pad_off = pad_rows_fp8(aq, a_s, groups, 128, num_groups=G)
     fns["padded_gemm"] = lambda: m_grouped_fp8_gemm(a_pad, a_s_pad, wq, ws, pad_off)
     row["padded_gemm_tile"] = "%dx%d" % m_grouped_tile(a_pad.shape[0], N, G)  # its M is the padded buffer's
+    if dg is not None:
+        # The same padded operands; this untimed call is also DeepGEMM's JIT warm-up for the shape.
+        try:
+            deepgemm_baseline.check_alignment(dg)
+            dg_args = deepgemm_baseline.m_grouped_args(a_pad, a_s_pad, wq, ws, sizes)
+            d_dg = torch.empty(a_pad.shape[0], N, dtype=torch.bfloat16, device=dev)
+            deepgemm_baseline.run_m_grouped(dg, dg_args, d_dg)
+            valid = deepgemm_baseline.valid_rows(sizes).to(dev)
+            row["deepgemm_bitexact"] = bool(torch.equal(d_dg[valid], m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)))
+            del valid
+            fns["deepgemm"] = lambda: deepgemm_baseline.run_m_grouped(dg, dg_args, d_dg)
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run here is recorded, not fatal
+            row["deepgemm_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     xr, xr_s = rowwise_fp8(x)
     wr, wr_s = rowwise_fp8(w)                      # [G, N, K] with scales [G, N]
     wr_t = wr.transpose(-2, -1)                    # [G, K, N], column-major per group
@@ -95,6 +119,8 @@ def run_config(G, M, N, K, dist, seed, iters):
         row["speedup_vs_padded_gemm"] = round(row["padded_gemm_ms"] / row["ours_ms"], 4)
     if "torch_rowwise_ms" in row:
         row["speedup_vs_torch_rowwise"] = round(row["torch_rowwise_ms"] / row["ours_ms"], 4)
+    if "deepgemm_ms" in row and "ours_ms" in row:
+        row["speedup_vs_deepgemm"] = round(row["deepgemm_ms"] / row["ours_ms"], 4)
     if "dense_cublas_ms" in row:
         row["ratio_vs_dense_cublas"] = round(row["dense_cublas_ms"] / row["ours_ms"], 4)
     return row
@@ -140,14 +166,23 @@ def main():
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
     configs = [(c, "paper") for c in TABLE] if args.quick else [(c, d) for c in TABLE + MORE for d in DISTS]
+    dg, dg_why = deepgemm_baseline.load()
+    if dg is None:
+        print(f"DeepGEMM is not importable ({dg_why}): no deepgemm columns in this run", flush=True)
+    else:
+        print(f"DeepGEMM {deepgemm_baseline.version(dg)}: timed on every row", flush=True)
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
     for i, ((G, M, N, K), dist) in enumerate(configs):
-        row = run_config(G, M, N, K, dist, seed=row_seed(i), iters=args.iters)
+        row = run_config(G, M, N, K, dist, seed=row_seed(i), iters=args.iters, dg=dg)
         rows.append(row)
         print(f"[{i + 1}/{len(configs)}] G={G} M={M} N={N} K={K} {dist}: ours {row.get('ours_tflops')} TFLOPS, "
-              f"x{row.get('speedup_vs_padded_path')} vs padded path, bitexact={row['bitexact']}", flush=True)
+              f"x{row.get('speedup_vs_padded_path')} vs padded path, bitexact={row['bitexact']}"
+              + (f", x{row.get('speedup_vs_deepgemm')} vs DeepGEMM (bitexact={row.get('deepgemm_bitexact')})"
+                 if dg is not None else ""), flush=True)
+        for key in [k for k in row if k.endswith("_error")]:
+            print(f"    {key}: {row[key]}", flush=True)
     summary = {
         "geomean_vs_padded_path": geomean([r.get("speedup_vs_padded_path") for r in rows]),
         "min_vs_padded_path": min(r.get("speedup_vs_padded_path", 0) for r in rows),
@@ -161,15 +196,27 @@ def main():
         "host_us_per_call_op_only": None,
         "all_bitexact": all(r["bitexact"] for r in rows),
     }
+    summary.update(deepgemm_summary(rows))
     host = host_overhead_us()
     summary["host_us_per_call"] = round(host["wrapper"], 2)
     summary["host_us_per_call_checked_groups"] = round(host["wrapper_checked_groups"], 2)
     summary["host_us_per_call_op_only"] = round(host["op"], 2)
     path = common.write_result("m_grouped", rows, ceilings, command="python benchmarks/bench_m_grouped.py"
-                               + (" --quick" if args.quick else ""), extra={"summary": summary}, out_dir=args.out)
+                               + (" --quick" if args.quick else ""),
+                               extra={"summary": summary, **deepgemm_baseline.result_fields(dg, dg_why)},
+                               out_dir=args.out)
     plot(rows, path.replace(".json", ".png"), args.out)
     print_table(rows, summary)
     print(f"wrote {path}")
+
+
+def deepgemm_summary(rows) -> dict:
+    """geomean_vs_deepgemm, min_vs_deepgemm over the rows timed against DeepGEMM, all_deepgemm_bitexact over the
+    rows that compared bits; None where no row has the field (DeepGEMM absent)."""
+    sp = [r["speedup_vs_deepgemm"] for r in rows if r.get("speedup_vs_deepgemm")]
+    bits = [r["deepgemm_bitexact"] for r in rows if "deepgemm_bitexact" in r]
+    return {"geomean_vs_deepgemm": geomean(sp) if sp else None, "min_vs_deepgemm": min(sp) if sp else None,
+            "all_deepgemm_bitexact": all(b is True for b in bits) if bits else None}
 
 
 def plot(rows, png, out_dir):
@@ -180,8 +227,13 @@ def plot(rows, png, out_dir):
     labels = [f"G{r['G']} M{r['M'] // 1024}k\nN{r['N']} K{r['K']}\n{r['dist']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(10, 0.55 * len(rows)), 5))
     xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r.get("speedup_vs_padded_path", 0) for r in rows], 0.4, label="vs padded path")
-    ax.bar([x + 0.2 for x in xs], [r.get("speedup_vs_padded_gemm", 0) for r in rows], 0.4, label="vs padded GEMM alone")
+    bars = [("padded_path", "vs padded path"), ("padded_gemm", "vs padded GEMM alone")]
+    if any("speedup_vs_deepgemm" in r for r in rows):
+        bars.append(("deepgemm", "vs DeepGEMM (padded layout, padding not timed)"))
+    width = 0.8 / len(bars)
+    for j, (base, label) in enumerate(bars):
+        ax.bar([x + (j - (len(bars) - 1) / 2) * width for x in xs], [r.get(f"speedup_vs_{base}", 0) for r in rows],
+               width, label=label)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=6)
@@ -192,13 +244,18 @@ def plot(rows, png, out_dir):
 
 
 def print_table(rows, summary):
+    dg = any("deepgemm_ms" in r or "deepgemm_bitexact" in r or "deepgemm_error" in r for r in rows)
     cols = ["ours", "ours_m128", "ours_m192", "ours_bn192", "ours_bn256", "padded_path", "padded_gemm", "torch_rowwise", "bf16", "dense_cublas"]
+    cols += ["deepgemm"] if dg else []
     print("\nTFLOPS (useful FLOPs 2*M*N*K), median of CUDA-event timings with L2 flush")
-    print(f"{'G':>3} {'M':>6} {'N':>5} {'K':>5} {'dist':>8} {'pad%':>5} " + " ".join(f"{c:>13}" for c in cols) + "  xpad  exact")
+    print(f"{'G':>3} {'M':>6} {'N':>5} {'K':>5} {'dist':>8} {'pad%':>5} " + " ".join(f"{c:>13}" for c in cols) + "  xpad"
+          + ("   x_dg dg_exact" if dg else "") + "  exact")
     for r in rows:
         vals = " ".join(f"{r.get(c + '_tflops', float('nan')):13.1f}" for c in cols)
         print(f"{r['G']:>3} {r['M']:>6} {r['N']:>5} {r['K']:>5} {r['dist']:>8} {r['pad_rows_pct']:5.1f} {vals}"
-              f"  {r.get('speedup_vs_padded_path', float('nan')):.3f}  {r['bitexact']}")
+              f"  {r.get('speedup_vs_padded_path', float('nan')):.3f}"
+              + (f" {r.get('speedup_vs_deepgemm', float('nan')):6.3f} {r.get('deepgemm_bitexact', '-')!s:>8}"
+                 if dg else "") + f"  {r['bitexact']}")
     print("summary:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()})
 
 

@@ -37,17 +37,17 @@ dwb = k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16)  # B
 kb16 = torch.equal(dwb, dw.bfloat16())
 c0 = torch.randn(G, N, K, device=dev)
 dacc = c0.clone()
-k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=dacc, accumulate=True)  # FP32: C loaded and stored by TMA
+k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=dacc, accumulate=True)  # FP32: a TMA reduce-add into C
 kb16 = kb16 and torch.equal(dacc, c0 + dw)
-# The wgrad layout (docs/design.md §4): contiguous [K, P], P = round_up(M, 128) + 128 G, group g at column a_g (a multiple of
-# 16; here 0, 112, 112, 256), every other column zero; and the bits of the padded path (each group padded with
-# zero tokens to a multiple of 128, quantized and multiplied by the same kernel).
-P = -(-M // 16) * 16 + 16 * G
+# The wgrad layout (docs/design.md §4): contiguous [K, P], P = round_up(M, 128) + 128 G, group g at column a_g (a
+# multiple of 128), every other column zero; and the bits of the padded path (each group padded with zero tokens to a
+# multiple of 128, quantized and multiplied by the same kernel).
+P = -(-M // 128) * 128 + 128 * G
 tok = torch.zeros(P, dtype=torch.bool, device=dev)
 a = 0
 for s in sizes.tolist():
     tok[a:a + s] = True
-    a += -(-s // 16) * 16
+    a += -(-s // 128) * 128
 klay = all(t.shape == (r, P) and t.is_contiguous() and not bool(t.view(torch.uint8)[:, ~tok].any())
            for t, r in ((xt, K), (dyt, N)))
 x_pad, _, psizes = T.pad_groups_rows(x, None, sizes, 128)

@@ -56,7 +56,7 @@ def _our_layout(sizes, k=3):
     """[k, P] int tensor laid out as the spec says, token t of group g holding (its global index + 1) * (row + 1)."""
     import torch
     m, g = sum(sizes), len(sizes)
-    a = bkg.group_starts(sizes, 16)
+    a = bkg.group_starts(sizes, bkg.WGRAD_ALIGN)
     qt = torch.zeros(k, bkg.wgrad_pitch(m, g), dtype=torch.int64)
     tok = 0
     for gi, s in enumerate(sizes):
@@ -71,9 +71,10 @@ def test_k_grouped_layout_bookkeeping(sizes):
     import torch
     m, g = sum(sizes), len(sizes)
     p = bkg.wgrad_pitch(m, g)
-    assert p == -(-m // 16) * 16 + 16 * g and p % 16 == 0
-    a = bkg.group_starts(sizes, 16)
-    assert a[0] == 0 and all(x % 16 == 0 for x in a) and a[-1] <= p - g  # the tail always holds a zero column
+    al = bkg.WGRAD_ALIGN
+    assert p == -(-m // al) * al + al * g and p % al == 0
+    a = bkg.group_starts(sizes, al)
+    assert a[0] == 0 and all(x % al == 0 for x in a) and a[-1] <= p - g  # the tail always holds a zero column
     cols = bkg.token_columns(sizes)
     assert len(cols) == m and len(set(cols)) == m and max(cols, default=0) < p - 1
     ours = _our_layout(sizes)

@@ -7,17 +7,17 @@
 namespace megatron_tma {
 namespace {
 
-cudaError_t encode_token_major(CUtensorMap* map, const void* base, int p_tokens, int rows, int pitch) {
+cudaError_t encode_token_major(CUtensorMap* map, const void* base, int p_tokens, int rows, int pitch, int box_rows) {
   const uint64_t dims[2] = {(uint64_t)p_tokens, (uint64_t)rows};
   const uint64_t strides[1] = {(uint64_t)pitch};
-  const uint32_t box[2] = {128, 128};  // one 128-token block of 128 rows, loaded from a 16-aligned column
+  const uint32_t box[2] = {128, (uint32_t)box_rows};  // one 128-token block (one line per row) of a tile's rows
   return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, int rows) {
+cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, int rows, int box_cols) {
   const uint64_t dims[2] = {(uint64_t)cols, (uint64_t)rows};
   const uint64_t strides[1] = {(uint64_t)cols * 4};
-  const uint32_t box[2] = {128, 1};
+  const uint32_t box[2] = {(uint32_t)box_cols, 1};
   return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
@@ -48,10 +48,16 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
     return cudaErrorInvalidValue;
   KGroupedGemmParams p{};
   cudaError_t err;
-  if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch)) != cudaSuccess) return err;
-  if ((err = encode_token_major(&p.b, args.b, args.p_tokens, args.k, args.pitch)) != cudaSuccess) return err;
-  if ((err = encode_block_scales(&p.a_scales, args.a_scales, args.n, args.num_blocks_max)) != cudaSuccess) return err;
-  if ((err = encode_block_scales(&p.b_scales, args.b_scales, args.k, args.num_blocks_max)) != cudaSuccess) return err;
+  // One block per TMA box: the tile's rows of dY^T and of X^T (its output columns), and their scales.
+  const int box_m = KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_M;
+  const int box_n = args.out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16>::BLOCK_N
+                                  : KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_N;
+  if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch, box_m)) != cudaSuccess) return err;
+  if ((err = encode_token_major(&p.b, args.b, args.p_tokens, args.k, args.pitch, box_n)) != cudaSuccess) return err;
+  if ((err = encode_block_scales(&p.a_scales, args.a_scales, args.n, args.num_blocks_max, box_m)) != cudaSuccess)
+    return err;
+  if ((err = encode_block_scales(&p.b_scales, args.b_scales, args.k, args.num_blocks_max, box_n)) != cudaSuccess)
+    return err;
   p.d = args.d;
   p.groups = args.groups;
   p.p_tokens = args.p_tokens;
