@@ -124,6 +124,10 @@ def _as_weights(weight: Weights) -> Tuple[torch.Tensor, ...]:
     weights = tuple(weight)
     if not weights:
         raise ValueError("weight must be a [G, N, K] tensor or a non-empty sequence of G [N, K] tensors")
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"weight {i} must be a torch.Tensor (weight: a [G, N, K] tensor or a sequence of G "
+                            f"[N, K] tensors), got {type(w).__name__}")
     if len(weights) == 1 and isinstance(weights[0], torch.Tensor) and weights[0].dim() == 3:
         check_tensor(weights[0], "weight", WEIGHT_DTYPES, dim=3)
     else:

@@ -28,6 +28,8 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ._validate import check_int
+
 GROUP_DTYPES = (torch.int32, torch.int64)
 DISTRIBUTIONS = ("paper", "skewed", "balanced", "one_group", "with_empty")
 DEBUG_ENV = "MEGATRON_TMA_DEBUG_CHECKS"
@@ -116,6 +118,8 @@ def check_groups(
     A `Groups` is matched against this call (G, rows, device: a few integer compares, no tensor op); its values are
     checked only if it was checked without rows and this call knows them.
     """
+    if num_groups is not None or m_total is not None:
+        _check_counts(num_groups, m_total)
     if type(groups) is Groups:
         t = groups.tensor  # its own metadata first (integer compares): a hand-built one may not fit itself
         if (t.dtype not in GROUP_DTYPES or t.dim() != 1 or not t.is_contiguous()
@@ -148,6 +152,14 @@ def check_groups(
     if _debug_checks or groups.device.type == "cpu":
         check_groups_values(groups, is_offsets, m_total, name=name)
     return Groups(groups, length - is_offsets, is_offsets, m_total)
+
+
+def _check_counts(num_groups, m_total) -> None:
+    """num_groups and m_total are ints (>= 1, >= 0) when given: a tensor or a float there is the caller's error."""
+    if num_groups is not None:
+        check_int(num_groups, "num_groups", 1)
+    if m_total is not None:
+        check_int(m_total, "m_total", 0)
 
 
 def _quote(pairs: List[Tuple[int, int]], what: str, limit: int = 4) -> str:
