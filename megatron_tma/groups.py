@@ -309,6 +309,26 @@ def check_wgrad_columns(groups: torch.Tensor, is_offsets: bool, pitch_cols: int,
         )
 
 
+def check_wgrad_tokens(groups: torch.Tensor, is_offsets: bool, pitch_cols: int, scale_rows: int,
+                       *, name: str = "groups") -> None:
+    """The group sizes cover exactly the tokens the wgrad operands were quantized from, as the M-grouped GEMM's sizes
+    must sum to its rows: M_total = sum_g M_g gives the operands' P (``wgrad_pitch``) and MB (``max_tiles`` of 128).
+    Sizes that cover fewer (or more) tokens raise instead of giving a partial dW. The operands fix M_total up to
+    their rounding, so this is the M-grouped rule wherever P and MB can tell. READS THE GROUPS ON THE HOST: for the
+    reference, CPU tensors and debug checks. Values are assumed checked (non-negative sizes)."""
+    vals = groups.detach().cpu().tolist()
+    g = len(vals) - 1 if is_offsets else len(vals)
+    total = vals[-1] - vals[0] if is_offsets else sum(vals)
+    want = (wgrad_pitch(total, g), max_tiles(total, g, 128))
+    if (pitch_cols, scale_rows) != want:
+        raise ValueError(
+            f"{name}: group sizes sum to M_total={total}, but the wgrad operands (P={pitch_cols} token columns, "
+            f"MB={scale_rows} scale rows) were not quantized from {total} tokens in {g} groups (that gives P={want[0]}, "
+            f"MB={want[1]}): the sizes must cover every token of the operands, as they must cover every row of "
+            f"m_grouped_fp8_gemm's a"
+        )
+
+
 def tile_map(sizes, block_m: int) -> torch.Tensor:
     """Reference tile list for tests. READS THE SIZES ON THE HOST.
 
