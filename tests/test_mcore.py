@@ -779,6 +779,10 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     expected_draw = torch.rand(4)  # what the run draws next
     with pytest.raises(FileExistsError):
         checkpoint.save_checkpoint(str(tmp_path), 2, [model], opt)
+    # issue 34 item 3: nor an earlier iteration (a second run into the same directory): the tracker never moves back
+    with pytest.raises(FileExistsError, match="move its tracker back"):
+        checkpoint.save_checkpoint(str(tmp_path), 1, [model], opt)
+    assert checkpoint.latest_iteration(str(tmp_path)) == 2 and not (tmp_path / "iter_0000001").exists()
 
     resumed = _small_gpt("unpadded")
     _randomize(resumed, 52)
