@@ -393,3 +393,21 @@ def test_bad_sizes_stop_in_one_line_naming_the_option(recipe, capsys, option, ru
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and rule in err, err
+
+
+def test_the_gpu_jobs_resume_checks_the_settings_too(recipe, tmp_path, monkeypatch):
+    """Issue 34 item 4 for the GPU job (recipes/moe_gpt.py `resume`): the same check as the CPU job's, on what
+    megatron_tma.mcore.checkpoint.load_checkpoint hands back (stood in for: no Megatron or GPU here)."""
+    args = recipe.parse_args(["--load", str(tmp_path), "--steps", "4"])
+    saved = {"losses": [1.0, 0.5], "train_args": {**recipe.training_args(args), "lr": 1.0, "seed": 9}}
+    monkeypatch.setattr(recipe.checkpoint, "latest_iteration", lambda directory: 2)
+    monkeypatch.setattr(recipe.checkpoint, "load_checkpoint", lambda directory, models, optimizer: (2, saved))
+    monkeypatch.setattr(recipe.dist, "get_rank", lambda: 0, raising=False)
+    with pytest.raises(SystemExit) as e:
+        recipe.resume(args, "unpadded", None, None)
+    assert "--lr 1.0 there, 0.0003 here" in str(e.value.code) and "--seed 9 there, 1234 here" in str(e.value.code)
+    saved["train_args"] = recipe.training_args(args)
+    assert recipe.resume(args, "unpadded", None, None) == (2, saved)
+    del saved["train_args"]
+    with pytest.raises(SystemExit, match="holds no record of the settings"):
+        recipe.resume(args, "unpadded", None, None)
