@@ -76,3 +76,12 @@ def check_aligned16(t: torch.Tensor, name: str, why: str) -> None:
 def check_multiple(value: int, of: int, what: str) -> None:
     if value % of != 0:
         raise ValueError(f"{what} must be a multiple of {of}, got {value}")
+
+
+def check_int(value, name: str, minimum: Optional[int] = None) -> None:
+    """TypeError unless `value` is an int (a bool or a tensor is not), ValueError if it is below `minimum`: one line
+    naming the argument, before a float or a tensor reaches a shape or a comparison."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -124,6 +124,10 @@ def _as_weights(weight: Weights) -> Tuple[torch.Tensor, ...]:
     weights = tuple(weight)
     if not weights:
         raise ValueError("weight must be a [G, N, K] tensor or a non-empty sequence of G [N, K] tensors")
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"weight {i} must be a torch.Tensor (weight: a [G, N, K] tensor or a sequence of G "
+                            f"[N, K] tensors), got {type(w).__name__}")
     if len(weights) == 1 and isinstance(weights[0], torch.Tensor) and weights[0].dim() == 3:
         check_tensor(weights[0], "weight", WEIGHT_DTYPES, dim=3)
     else:
@@ -225,6 +229,14 @@ class FP8WeightCache:
     a hit records no quantization: invalidate before capturing if the graph must re-quantize on replay.
     One cache belongs to one layer (its owner), never to the process.
 
+    Evaluation: a miss inside `torch.inference_mode()` quantizes outside it (`inference_mode(False)`), so the copies
+    are never inference tensors and the training forward that follows can reuse them (save them for backward); under
+    `no_grad` the copies are ordinary tensors anyway. An eval loop between two training steps changes nothing that
+    training computes.
+    Copies: a hit also needs the entry's aliases to lie at the key's pointers, so an entry cannot be satisfied by a
+    different tensor that landed on memory the entry does not hold (a deep-copied entry holds copies, not the
+    memory); `copy.deepcopy` and pickling drop the entry altogether (the copy quantizes at its first forward).
+
     Threads: `get` and `invalidate` may be called from any number of threads at once (nn.DataParallel's replicas,
     a serving thread pool). The entry is one immutable snapshot (key, aliases, copies) that `get` reads once and
     replaces whole, and `invalidate` drops: a single attribute read or write each, atomic, so every `get` returns
@@ -239,24 +251,39 @@ class FP8WeightCache:
         """Drop the FP8 copies; the next `get` quantizes again."""
         self._entry = None
 
+    # A copy of a cache starts empty: its entry's key names the original's memory, which a copy does not hold.
+    def __deepcopy__(self, memo) -> "FP8WeightCache":
+        return type(self)()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._entry = None
+
     @torch.compiler.disable  # host-side bookkeeping (pointers, versions): a graph break, not something to trace
     def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
         """The FP8 copies of `weights` (a `[G, N, K]` tensor in a 1-tuple, or G `[N, K]` tensors), quantized now
         if any weight changed. The weights are checked when they are quantized; a hit proves them unchanged, so
         the per-call host cost is one pointer and one version read per weight."""
         first = weights[0]
+        if first.is_inference():  # weights made under inference_mode have no version counter: never cached
+            return quantize_weights(tuple(weights), pow2, backend)
         key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
                tuple(w._version for w in weights), _optimizer_step_stamp)
         entry = self._entry  # the one read of the shared state: another thread may replace it from here on
-        if entry is not None and entry.key == key:
+        # (the aliases at the key's pointers: the entry holds that memory, so no other tensor can lie there)
+        if entry is not None and entry.key == key and all(a.data_ptr() == p for a, p in zip(entry.aliases, key[4])):
             return entry.value
         del entry
         self._entry = None  # free the stale copies before making new ones: one copy at a time at the peak
-        stacked, is_view = _checked_stack(tuple(weights))
-        value = _quantize_stacked(stacked, pow2, backend)
-        # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
-        # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
-        aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
+        # never inference tensors in the cache: a training forward after an eval under inference_mode reuses them
+        with torch.inference_mode(False):
+            stacked, is_view = _checked_stack(tuple(weights))
+            value = _quantize_stacked(stacked, pow2, backend)
+            # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
+            # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
+            aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
         self._entry = _CacheEntry(key, aliases, value)
         return value
 

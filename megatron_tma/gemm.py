@@ -12,7 +12,8 @@ import torch
 
 from . import _ext
 from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device, check_tensor
-from .groups import Groups, check_groups, check_wgrad_columns, debug_checks_enabled
+from .groups import (Groups, check_groups, check_wgrad_columns, check_wgrad_tokens, debug_checks_enabled, max_tiles,
+                     wgrad_pitch)
 from .limits import K_GROUPED_MAX_GROUPS, M_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "run_m_grouped", "run_k_grouped"]
@@ -150,7 +151,8 @@ if _ext.has_extension():
         return None
 
 
-def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate, out_dtype):
+def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate, out_dtype,
+                          m_total=None):
     """The wgrad rules of docs/design.md §4 (metadata only, plus the groups' values where they are on the host or debug
     checks are on); returns (Groups, device, N, K)."""
     for t, name in ((dy_t, "dy_t"), (x_t, "x_t")):
@@ -193,10 +195,13 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         raise ValueError("accumulate=True needs the FP32 buffer to accumulate into as `out`")
     device = check_same_device(dy_t=dy_t, dy_t_scales=dy_t_scales, x_t=x_t, x_t_scales=x_t_scales,
                                groups=groups.tensor if type(groups) is Groups else groups, out=out)
-    # M_total is not known here (P only bounds it), so the groups' sum is not checked against it; the host check
-    # below bounds the groups by what the operands hold.
-    groups = check_groups(groups, num_groups, name="groups")
+    # M_total: the caller's m_total (then the sizes must sum to it, as m_grouped_fp8_gemm's to its rows), else what
+    # P and MB tell of it (the host check below: the sizes must be those the operands were quantized with).
+    groups = check_groups(groups, num_groups, m_total=m_total, name="groups")
     g = groups.num_groups
+    if m_total is not None and (p, mb) != (wgrad_pitch(m_total, g), max_tiles(m_total, g, 128)):
+        raise ValueError(f"dy_t and x_t must be quantize_grouped_128x1's operands of m_total={m_total} tokens in {g} "
+                         f"groups (P={wgrad_pitch(m_total, g)}, MB={max_tiles(m_total, g, 128)}), got P={p}, MB={mb}")
     if out is not None and out.shape[1:] != (n, k):
         raise ValueError(f"out must be [G, N, K] = {[g, n, k]}, got {list(out.shape)}")
     if g > K_GROUPED_MAX_GROUPS:
@@ -215,6 +220,7 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         check_aligned16(x_t, "x_t", "TMA loads it")
     if groups.tensor.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
         check_wgrad_columns(groups.tensor, groups.is_offsets, p, mb)
+        check_wgrad_tokens(groups.tensor, groups.is_offsets, p, mb)
     return groups, device, n, k
 
 
@@ -230,6 +236,7 @@ def k_grouped_fp8_gemm(
     backend: str = "auto",
     *,
     num_groups: Optional[int] = None,
+    m_total: Optional[int] = None,
 ) -> torch.Tensor:
     """Weight gradient `out[g] = dY_g^T . X_g` over each group's own tokens (any count, 0 included).
 
@@ -239,6 +246,10 @@ def k_grouped_fp8_gemm(
     checked).
     G is `out.shape[0]` when `out` is given, else `num_groups`, else `groups` holds sizes and G is its length
     (offsets `[G+1]` need `num_groups` or `out`).
+    The sizes must cover every token of the operands, as `m_grouped_fp8_gemm`'s cover every row of `a` (never a
+    partial dW): `m_total` (optional, the tokens the operands were quantized from) makes that exact (the sizes must sum
+    to it); without it the sizes' sum must give the operands' P and MB, which fix M_total up to their rounding. The
+    sum is read on the host only where the groups are (CPU) or with debug checks on, as for `m_grouped_fp8_gemm`.
     accumulate=True adds into `out` (FP32, e.g. Megatron's main_grad): `out = out + dY^T . X`, and an empty
     group leaves its slice unchanged. Otherwise returns a new (or the given) `[G, N, K]` tensor of out_dtype
     (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous; a 16-byte aligned `out` is written
@@ -246,7 +257,7 @@ def k_grouped_fp8_gemm(
     offset) element by element from registers: the same values.
     """
     groups, _, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate,
-                                            out_dtype)
+                                            out_dtype, m_total)
     return run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, out_dtype, backend)
 
 

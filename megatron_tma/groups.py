@@ -28,6 +28,8 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from ._validate import check_int
+
 GROUP_DTYPES = (torch.int32, torch.int64)
 DISTRIBUTIONS = ("paper", "skewed", "balanced", "one_group", "with_empty")
 DEBUG_ENV = "MEGATRON_TMA_DEBUG_CHECKS"
@@ -116,6 +118,8 @@ def check_groups(
     A `Groups` is matched against this call (G, rows, device: a few integer compares, no tensor op); its values are
     checked only if it was checked without rows and this call knows them.
     """
+    if num_groups is not None or m_total is not None:
+        _check_counts(num_groups, m_total)
     if type(groups) is Groups:
         t = groups.tensor  # its own metadata first (integer compares): a hand-built one may not fit itself
         if (t.dtype not in GROUP_DTYPES or t.dim() != 1 or not t.is_contiguous()
@@ -148,6 +152,14 @@ def check_groups(
     if _debug_checks or groups.device.type == "cpu":
         check_groups_values(groups, is_offsets, m_total, name=name)
     return Groups(groups, length - is_offsets, is_offsets, m_total)
+
+
+def _check_counts(num_groups, m_total) -> None:
+    """num_groups and m_total are ints (>= 1, >= 0) when given: a tensor or a float there is the caller's error."""
+    if num_groups is not None:
+        check_int(num_groups, "num_groups", 1)
+    if m_total is not None:
+        check_int(m_total, "m_total", 0)
 
 
 def _quote(pairs: List[Tuple[int, int]], what: str, limit: int = 4) -> str:
@@ -296,6 +308,26 @@ def check_wgrad_columns(groups: torch.Tensor, is_offsets: bool, pitch_cols: int,
         raise ValueError(
             f"{name}: the groups have sum_g ceil(M_g/128) = {blocks} token blocks, but the token-block scales have "
             f"{scale_rows} rows{hint}"
+        )
+
+
+def check_wgrad_tokens(groups: torch.Tensor, is_offsets: bool, pitch_cols: int, scale_rows: int,
+                       *, name: str = "groups") -> None:
+    """The group sizes cover exactly the tokens the wgrad operands were quantized from, as the M-grouped GEMM's sizes
+    must sum to its rows: M_total = sum_g M_g gives the operands' P (``wgrad_pitch``) and MB (``max_tiles`` of 128).
+    Sizes that cover fewer (or more) tokens raise instead of giving a partial dW. The operands fix M_total up to
+    their rounding, so this is the M-grouped rule wherever P and MB can tell. READS THE GROUPS ON THE HOST: for the
+    reference, CPU tensors and debug checks. Values are assumed checked (non-negative sizes)."""
+    vals = groups.detach().cpu().tolist()
+    g = len(vals) - 1 if is_offsets else len(vals)
+    total = vals[-1] - vals[0] if is_offsets else sum(vals)
+    want = (wgrad_pitch(total, g), max_tiles(total, g, 128))
+    if (pitch_cols, scale_rows) != want:
+        raise ValueError(
+            f"{name}: group sizes sum to M_total={total}, but the wgrad operands (P={pitch_cols} token columns, "
+            f"MB={scale_rows} scale rows) were not quantized from {total} tokens in {g} groups (that gives P={want[0]}, "
+            f"MB={want[1]}): the sizes must cover every token of the operands, as they must cover every row of "
+            f"m_grouped_fp8_gemm's a"
         )
 
 

@@ -43,7 +43,10 @@ def check_num_groups(num_groups: int, limit: str, what: str) -> None:
 
 def check_num_experts(num_experts: int, what: str = "num_experts") -> None:
     """At construction of a trainable FP8 grouped linear or expert MLP: ValueError if it has more experts than its
-    weight-gradient GEMM takes."""
+    weight-gradient GEMM takes (TypeError / ValueError if it is not an int >= 1)."""
+    from ._validate import check_int
+
+    check_int(num_experts, what, 1)
     if num_experts > MAX_EXPERTS:
         raise ValueError(
             f"{what}={num_experts} is more than {MAX_EXPERTS}, the groups the FP8 GEMMs take in training "

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from . import _ext
-from ._validate import check_same_device, check_tensor
+from ._validate import check_int, check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
 from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
@@ -95,8 +95,9 @@ class _GroupedWeights(nn.Module):
     def __init__(self, num_groups: int, in_features: int, out_features: int, *, weight_layout: str = "stacked",
                  device=None, init_method: Optional[Callable[[torch.Tensor], None]] = None):
         super().__init__()
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        check_int(num_groups, "num_groups", 1)
+        check_int(in_features, "in_features", 1)
+        check_int(out_features, "out_features", 1)
         if weight_layout not in WEIGHT_LAYOUTS:
             raise ValueError(f"weight_layout must be 'stacked' or 'per_expert', got {weight_layout!r}")
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
@@ -250,6 +251,8 @@ class GroupedFP8Linear(_GroupedWeights):
         # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
         # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
         check_num_experts(num_groups, "num_groups")
+        check_int(in_features, "in_features")
+        check_int(out_features, "out_features")
         if in_features % 128 or out_features % 128 or in_features <= 0 or out_features <= 0:
             raise ValueError(
                 "in_features and out_features must be positive multiples of 128 (the forward contracts over "
@@ -315,6 +318,9 @@ class _GroupedMLP(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str,
                  linear: Callable[[int, int, int], nn.Module], backend: str = "auto"):
         super().__init__()
+        check_int(num_experts, "num_experts", 1)
+        check_int(hidden_size, "hidden_size", 1)
+        check_int(ffn_hidden_size, "ffn_hidden_size", 1)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
         self.backend = backend  # of the activation kernel (and, in GroupedFP8MLP, of the FP8 linears)
@@ -375,6 +381,8 @@ class GroupedFP8MLP(_GroupedMLP):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
+        check_int(hidden_size, "hidden_size")
+        check_int(ffn_hidden_size, "ffn_hidden_size")
         if hidden_size % 128 or ffn_hidden_size % 128 or hidden_size <= 0 or ffn_hidden_size <= 0:
             raise ValueError(
                 "hidden_size and ffn_hidden_size must be positive multiples of 128 (every FP8 GEMM of the layer "

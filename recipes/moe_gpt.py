@@ -77,6 +77,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import warnings
 
@@ -237,6 +238,9 @@ def parse_args(argv=None):
             ("--profile-step", args.profile_step is not None)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
+    bad = bad_sizes(args)
+    if bad:
+        p.exit(2, f"moe_gpt.py: error: {bad}\n")  # one line (no usage block), before any work
     if args.vpp is not None and (args.vpp < 1 or args.pp < 2):
         p.error("--vpp needs --pp >= 2 and at least 1 chunk (Megatron interleaves the chunks of a pipeline)")
     if (args.save is None) != (args.save_interval is None) or (args.save_interval is not None
@@ -248,6 +252,67 @@ def parse_args(argv=None):
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     return args
+
+
+# Options that must be positive integers (any run: a zero reached the training loop as an IndexError, a
+# ZeroDivisionError or a reshape error).
+POSITIVE = ("steps", "micro_batches", "micro_batch_size", "seq_len", "layers", "hidden", "heads", "experts", "topk",
+            "expert_ffn", "vocab", "log_every", "etp", "pp")
+
+
+def bad_sizes(args):
+    """The first size option that breaks a rule, as one line naming it and the rule; None if all hold."""
+    for name in POSITIVE:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    for name in ("ep", "kill_after_step", "ddp_bucket_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if args.hidden % args.heads:
+        return f"--hidden {args.hidden} must be divisible by --heads {args.heads} (the attention heads split it)"
+    if args.topk > args.experts:
+        return f"--topk {args.topk} must be <= --experts {args.experts} (each token goes to topk distinct experts)"
+    return None
+
+
+# The options that do not change what a run trains (where it reads and writes, what it prints, when it stops or saves,
+# which modes): every other option must be the checkpoint's for a resume (check_resume).
+NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "kill_after_step", "plot", "compare",
+                "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable")
+
+
+def training_args(args):
+    """The run's training settings (every option but NOT_TRAINING's), as saved with each checkpoint."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in NOT_TRAINING}
+
+
+def check_resume(args, progress, where):
+    """Stop, naming every differing option, unless the checkpoint at `where` was trained with this run's settings: a
+    resume trains the checkpoint's settings, and the result must not be labelled with others (--steps included: the
+    data of every step is drawn for the whole run)."""
+    saved = progress.get("train_args") if isinstance(progress, dict) else None
+    if saved is None:
+        fail(f"{where} holds no record of the settings it was trained with (saved before they were recorded), so a "
+             "resume from it cannot be checked: train from scratch")
+    now = training_args(args)
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if differ:
+        fail(f"{where} was trained with other settings than this run's: "
+             + "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ)
+             + " (a resume trains the checkpoint's settings: run it with them, or without --load)")
+
+
+def check_save_target(args, mode, start):
+    """Stop before training if this mode's saves would write over a complete checkpoint in --save or move its
+    tracker back (a run into a --save directory holding a newer run than the one it starts from)."""
+    if not args.save:
+        return
+    first = (start // args.save_interval + 1) * args.save_interval  # the first step this run saves
+    if first > args.steps:
+        return
+    refusal = checkpoint.save_refusal(os.path.join(args.save, mode), first)
+    if refusal is not None:
+        fail(f"--save: {refusal}")
 
 
 def ddp_settings(args):
@@ -452,8 +517,9 @@ def train(args, mode, rank, batches):
     models, optimizer = build(args, mode)
     steps_counted = mcore_experts._optimizer_steps
     start, progress = resume(args, mode, models, optimizer)
+    check_save_target(args, mode, start)
     if progress is None:
-        progress = {"losses": [], "grad_norms": [], "times": [],
+        progress = {"losses": [], "grad_norms": [], "times": [], "train_args": training_args(args),
                     "init_digests": gathered(digests(canonical_weights(models))),
                     "experts_diff_vs_megatron": (experts_against_megatron(models[0].module.module, args.seed)
                                                  if mode == "megatron" else None)}
@@ -530,6 +596,7 @@ def resume(args, mode, models, optimizer):
             print(f"[{mode:9s}] no checkpoint in {directory}: training from scratch", flush=True)
         return 0, None
     step, progress = checkpoint.load_checkpoint(directory, models, optimizer)
+    check_resume(args, progress, checkpoint.checkpoint_dir(directory, step))
     if step > args.steps or len(progress["losses"]) != step:
         raise SystemExit(f"moe_gpt.py: {directory} holds step {step} with {len(progress['losses'])} recorded steps; "
                          f"this run trains {args.steps}")
@@ -592,6 +659,18 @@ def fail(message):
     raise SystemExit(f"moe_gpt.py: {message}")
 
 
+def check_out(out_dir):
+    """Stop with one line unless the results can be written into out_dir (made if missing): checked before any
+    training, not found out after every mode has trained."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".moe_gpt-write-check-"):
+            pass
+    except OSError as e:
+        fail(f"--out {out_dir} cannot take the results ({type(e).__name__}: {e.strerror or e}); pass a writable "
+             "directory")
+
+
 def preflight(args):
     """Stop with one line, before any distributed set-up, when a piece the run needs is missing: matplotlib (--plot,
     --cpu), one process (--cpu); for the GPU job a visible GPU, Python >= 3.12 and megatron-core, megatron_tma's
@@ -602,6 +681,10 @@ def preflight(args):
         except ImportError as e:
             fail(f"matplotlib is missing ({e}), and it draws the loss plot: pip install matplotlib "
                  "(pip install -e '.[test]' brings it)")
+    if args.load and not (args.plot or args.compare or args.same_bits) and not os.path.isdir(args.load):
+        fail(f"--load {args.load}: no such directory (nothing to resume from; leave --load out to train from scratch)")
+    if not args.same_bits and not args.plot:  # (--plot checks its own target, never over a plot)
+        check_out(args.out)
     if args.cpu:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != 1:
@@ -658,7 +741,9 @@ def cpu_job(args):
     print(f"CPU job: {', '.join(args.modes)}, {args.steps} steps each, megatron_tma's modules on the reference "
           f"backend ({torch.get_num_threads()} threads)", flush=True)
     batches, loss_floor = chain_batches(args, 0)
-    runs = {mode: cpu.train(args, mode, batches, digests) for mode in args.modes}
+    runs = {mode: cpu.train(args, mode, batches, digests, check_resume=check_resume,
+                            check_save_target=check_save_target, training_args=training_args)
+            for mode in args.modes}
     report, failures = summarize(runs)
     write_results(args, runs, report, failures, 1, loss_floor)
     twins = [m for m in args.modes if m.startswith("padded")]
@@ -792,9 +877,22 @@ def write_results(args, runs, report, failures, world, loss_floor):
 
 
 def save(result, out_dir, stamp):
+    """Write the result's JSON and PNG into out_dir under a name no other result there has (two runs in one minute
+    get -2, -3, ...; the JSON is created exclusively, so two processes never share a name)."""
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
-    with open(base + ".json", "w") as f:
+    name = os.path.join(out_dir, f"moe_gpt-{stamp.strftime('%Y%m%d-%H%M')}")
+    for n in range(1, 10000):
+        base = name if n == 1 else f"{name}-{n}"
+        if os.path.exists(base + ".png"):
+            continue
+        try:
+            f = open(base + ".json", "x")
+        except FileExistsError:
+            continue
+        break
+    else:
+        fail(f"{out_dir} holds 9999 results of {name}: pass another --out")
+    with f:
         json.dump(result, f, indent=1)
     print(json.dumps({"summary": result["summary"], "failures": result["failures"]}, indent=1))
     plot(result, base + ".png")

@@ -30,11 +30,16 @@ last step that gives the same loss again with the FP8 weight copies re-made.
 Checkpoints (`--save DIR --save-interval N`, `--load DIR`, `--kill-after-step N`, as the GPU job): the module's own
 `state_dict` (Transformer Engine's per-expert keys for the experts), the FP32 main weights, AdamW's state, torch's
 RNG state and the run's records, one `torch.save` file per checkpoint in the GPU job's directory layout
-(DIR/<mode>/iter_<step>/state.pt, named by the tracker file once written). A resumed run trains the bits of an
+(DIR/<mode>/iter_<step>/state.pt, its SHA-256 in state.pt.sha256, named by the tracker file once written). A load
+checks the checksum and reads with `weights_only=True` (a crafted file cannot run code); a save never writes over a
+complete checkpoint nor moves the tracker back; a resume with other training settings than the checkpoint's stops. A resumed run trains the bits of an
 uninterrupted one (tests/test_recipe_moe_gpt_cpu.py kills one with SIGKILL and resumes it).
 """
+import hashlib
+import io
 import math
 import os
+import shutil
 import signal
 import time
 
@@ -42,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_tma.mcore.checkpoint import checkpoint_dir, latest_iteration, write_tracker
+from megatron_tma.mcore.checkpoint import checkpoint_dir, latest_iteration, save_refusal, write_tracker
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
 
@@ -156,16 +161,61 @@ def evaluate(model, batch):
     return float(loss)
 
 
+STATE, CHECKSUM = "state.pt", "state.pt.sha256"
+
+
+def _write_atomic(path, data: bytes):
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
 def save_state(directory, step, model, main, optimizer, progress):
-    """A checkpoint of the run after `step` steps; it counts once the tracker names it (both writes atomic)."""
+    """A checkpoint of the run after `step` steps; it counts once the tracker names it (every write atomic). Never
+    over a complete checkpoint, never moving the tracker back (FileExistsError, as the GPU job's save). The file's
+    SHA-256 goes next to it (state.pt.sha256), and the load checks it."""
+    refusal = save_refusal(directory, step)
+    if refusal is not None:
+        raise FileExistsError(refusal)
     path = checkpoint_dir(directory, step)
-    os.makedirs(path, exist_ok=True)
+    if os.path.isdir(path):  # the tracker never named it: what a run killed while saving left behind
+        shutil.rmtree(path)
+    os.makedirs(path)
     state = {"model": model.state_dict(), "main": [m.detach() for m in main], "optimizer": optimizer.state_dict(),
              "rng": torch.get_rng_state(), "progress": progress, "step": step}
-    torch.save(state, os.path.join(path, "state.pt.tmp"))
-    os.replace(os.path.join(path, "state.pt.tmp"), os.path.join(path, "state.pt"))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    _write_atomic(os.path.join(path, STATE), data)
+    _write_atomic(os.path.join(path, CHECKSUM), f"{hashlib.sha256(data).hexdigest()}  {STATE}\n".encode())
     write_tracker(directory, step)
     return path
+
+
+def read_state(path):
+    """The checkpoint object in `path`/state.pt, after its SHA-256 matched the one saved with it; loaded with
+    `weights_only=True` (tensors and plain containers only: a crafted file cannot run code). Stops with one line naming
+    the file otherwise."""
+    file, sums = os.path.join(path, STATE), os.path.join(path, CHECKSUM)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+        with open(sums) as f:
+            want = f.read().split()[0]
+    except (OSError, IndexError) as e:
+        raise SystemExit(f"moe_gpt.py: cannot read the checkpoint {file} or its checksum {sums} "
+                         f"({type(e).__name__}: {getattr(e, 'strerror', None) or e})")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise SystemExit(f"moe_gpt.py: {file} does not match its checksum ({sums} says {want[:16]}..., the file has "
+                         f"{got[:16]}...): the file is truncated or corrupted; not loaded")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        why = (str(e).splitlines() or [""])[0]
+        raise SystemExit(f"moe_gpt.py: {file} cannot be loaded with weights_only=True ({type(e).__name__}: {why})")
 
 
 def load_state(directory, model, main, optimizer):
@@ -174,7 +224,7 @@ def load_state(directory, model, main, optimizer):
     step = latest_iteration(directory)
     if step is None:
         return 0, None
-    state = torch.load(os.path.join(checkpoint_dir(directory, step), "state.pt"), weights_only=False)
+    state = read_state(checkpoint_dir(directory, step))
     model.load_state_dict(state["model"])
     with torch.no_grad():
         for m, saved in zip(main, state["main"]):
@@ -184,10 +234,12 @@ def load_state(directory, model, main, optimizer):
     return step, state["progress"]
 
 
-def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
+def train(args, mode, batches, digests, *, check_resume, check_save_target, training_args, aux_coeff=1e-2,
+          clip=1.0):
     """One mode's run on the CPU: the record recipes/moe_gpt.py's `summarize` reads (per-step losses, grad norms and
     times, digests of the initial weights and final parameters, the evaluation after the last step before and after
-    the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids."""
+    the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids. The GPU job's
+    checks of a resume and of the --save directory (recipes/moe_gpt.py) are passed in."""
     torch.manual_seed(args.seed)
     model = TinyMoEGPT(args, mode)
     params = list(model.parameters())
@@ -195,11 +247,16 @@ def train(args, mode, batches, digests, aux_coeff=1e-2, clip=1.0):
     optimizer = torch.optim.AdamW(main, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     start, progress = (load_state(os.path.join(args.load, mode), model, main, optimizer) if args.load else (0, None))
     if progress is None:
-        progress = {"losses": [], "grad_norms": [], "times": [], "init_digests": [digests(model.named_parameters())]}
-    elif start > args.steps or len(progress["losses"]) != start:
-        raise SystemExit(f"moe_gpt.py: {args.load}/{mode} holds step {start}; this run trains {args.steps}")
+        if args.load:
+            print(f"[{mode:9s}] no checkpoint in {os.path.join(args.load, mode)}: training from scratch", flush=True)
+        progress = {"losses": [], "grad_norms": [], "times": [], "train_args": training_args(args),
+                    "init_digests": [digests(model.named_parameters())]}
     else:
+        check_resume(args, progress, checkpoint_dir(os.path.join(args.load, mode), start))
+        if start > args.steps or len(progress["losses"]) != start:
+            raise SystemExit(f"moe_gpt.py: {args.load}/{mode} holds step {start}; this run trains {args.steps}")
         print(f"[{mode:9s}] resumed from {checkpoint_dir(os.path.join(args.load, mode), start)}", flush=True)
+    check_save_target(args, mode, start)
     losses, grad_norms, times = progress["losses"], progress["grad_norms"], progress["times"]
     for step in range(start, args.steps):
         t0 = time.perf_counter()

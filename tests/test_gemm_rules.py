@@ -86,6 +86,17 @@ K_BAD = [
     ({}, {"accumulate": True}, ValueError, "accumulate=True needs the FP32 buffer"),
     ({}, {"out_dtype": torch.float16}, TypeError, "out_dtype must be"),
     ({}, {"num_groups": 4}, ValueError, "G sizes or G\\+1 offsets with G=4"),
+    # issue 34 item 8: sizes that cover fewer tokens than the operands hold (a partial dW before)
+    ({"groups": lambda g: g - torch.tensor([0, 0, 40])}, {}, ValueError,
+     r"group sizes sum to M_total=120, but the wgrad operands \(P=208 token columns, MB=4 scale rows\)"),
+    ({"groups": lambda g: torch.tensor([0, 100, 100, 120])}, {"num_groups": 3}, ValueError,
+     "group sizes sum to M_total=120"),
+    # within the operands' rounding only m_total tells (the sizes must then sum to it)
+    ({"groups": lambda g: g - torch.tensor([1, 0, 0])}, {"m_total": 160}, ValueError,
+     "group sizes sum to 159, but the data has M_total=160"),
+    ({}, {"m_total": 150}, ValueError, "group sizes sum to 160, but the data has M_total=150"),
+    ({"groups": lambda g: g - torch.tensor([0, 0, 40])}, {"m_total": 120}, ValueError,
+     "must be quantize_grouped_128x1's operands of m_total=120 tokens"),
 ]
 
 
@@ -103,6 +114,18 @@ def test_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(cuda
             fn(**args, **extra, backend=backend)
         messages.append(str(err.value))
     assert messages[0] == messages[1] and cuda_path.calls == []
+
+
+def test_both_gemms_refuse_sizes_that_cover_fewer_tokens_than_their_operands(cuda_path):
+    """Issue 34 item 8: one rule for both GEMMs. The M-grouped GEMM refused sizes that leave rows of `a` in no group;
+    the K-grouped one took the same sizes and returned the dW of the covered tokens only."""
+    m, k = _m_args(), _k_args()
+    for args, fn, short in ((m, gemm.m_grouped_fp8_gemm, torch.tensor([100, 0, 60])),
+                            (k, gemm.k_grouped_fp8_gemm, torch.tensor([100, 0, 20]))):
+        for backend in ("auto", "reference"):
+            with pytest.raises(ValueError, match="group sizes sum to"):
+                fn(**{**args, "groups": short}, backend=backend)
+    assert cuda_path.calls == []
 
 
 def test_k_grouped_takes_g_from_out_num_groups_or_sizes(cuda_path):

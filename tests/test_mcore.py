@@ -242,6 +242,47 @@ def test_fp8_cache_follows_optimizer_steps_for_evaluation():
     assert torch.equal(again, out1)
 
 
+def _megatron_iterations(eval_mode, iterations=3):
+    """Megatron-style iterations of the experts (flags reset, forward, backward into main_grad, a step on FP32 masters
+    copied in through .data), with a forward under `eval_mode` after every step (None: none): every output and
+    main_grad."""
+    torch.manual_seed(0)
+    experts = megatron_experts(4, make_config(), backend="reference")
+    weights = _ddp_weights(experts)
+    masters = [w.detach().float().clone().requires_grad_() for w in weights]
+    optimizer = torch.optim.SGD(masters, lr=0.1)
+    x, sizes, probs = _routed()
+    seen = []
+    for _ in range(iterations):
+        for w in weights:
+            w.main_grad.zero_()
+            w.grad_added_to_main_grad = False
+        out, _ = experts(x, sizes, probs)
+        out.float().square().mean().backward()
+        seen += [out.detach()] + [w.main_grad.clone() for w in weights]
+        for m, w in zip(masters, weights):
+            m.grad = w.main_grad.clone()
+        optimizer.step()
+        with torch.no_grad():
+            for m, w in zip(masters, weights):
+                w.data.copy_(m)
+        if eval_mode is not None:
+            with eval_mode():
+                experts(x, sizes, probs)
+    return seen
+
+
+@pytest.mark.parametrize("eval_mode", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_an_evaluation_between_iterations_changes_nothing_in_training(eval_mode):
+    """Issue 34 item 1, Megatron's experts: an evaluation under inference_mode after a step left inference-mode FP8
+    copies that the next training forward saved for backward (RuntimeError). With an evaluation under inference_mode
+    or no_grad after every step, training computes the same bits as without."""
+    plain = _megatron_iterations(None)
+    evaluated = _megatron_iterations(eval_mode)
+    assert all(t.isfinite().all() for t in plain) and not torch.equal(plain[0], plain[3])  # it trains
+    assert len(plain) == len(evaluated) and all(torch.equal(a, b) for a, b in zip(plain, evaluated))
+
+
 def _ddp_weights(experts):
     """The experts' weights with the attributes Megatron's DDP gives them, flag reset as at an iteration's start."""
     weights = list(experts.parameters())
@@ -738,6 +779,10 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     expected_draw = torch.rand(4)  # what the run draws next
     with pytest.raises(FileExistsError):
         checkpoint.save_checkpoint(str(tmp_path), 2, [model], opt)
+    # issue 34 item 3: nor an earlier iteration (a second run into the same directory): the tracker never moves back
+    with pytest.raises(FileExistsError, match="move its tracker back"):
+        checkpoint.save_checkpoint(str(tmp_path), 1, [model], opt)
+    assert checkpoint.latest_iteration(str(tmp_path)) == 2 and not (tmp_path / "iter_0000001").exists()
 
     resumed = _small_gpt("unpadded")
     _randomize(resumed, 52)

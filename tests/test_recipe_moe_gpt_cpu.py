@@ -235,3 +235,179 @@ def test_no_gpu_in_a_real_process_is_one_line_on_stderr(tmp_path):
                          text=True, timeout=300)
     assert run.returncode == 1 and run.stdout == ""
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("moe_gpt.py: no CUDA GPU is visible"), run.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Nothing lost, nothing let in (issue 34): checkpoint safety, honest resumes, files, arguments
+# --------------------------------------------------------------------------------------------------------------
+
+SHORT = [*TINY, "--steps", "2", "--modes", "unpadded"]
+
+
+@pytest.fixture
+def saved(recipe, torch_settings, tmp_path):
+    """A complete run of SHORT that saved after each of its 2 steps into tmp_path/ckpt: (argv, the mode's dir)."""
+    argv = [*SHORT, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
+    assert recipe.main([*argv, "--out", str(tmp_path / "first")]) == 0
+    mode_dir = tmp_path / "ckpt" / "unpadded"
+    assert (mode_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
+    return argv, mode_dir
+
+
+def _resume_stops(recipe, argv, capsys, *words):
+    with pytest.raises(SystemExit) as e:
+        recipe.main(argv)
+    text = str(e.value.code)
+    assert "\n" not in text and all(w in text for w in words), text
+    assert "step    0" not in capsys.readouterr().out  # stopped before any training
+    return text
+
+
+def test_a_crafted_checkpoint_cannot_run_code(recipe, torch_settings, tmp_path, capsys):
+    """Issue 34 item 2: the CPU job loaded its checkpoints with weights_only=False, so a pickled object behind a
+    tracker file ran code under --load. Here the attacker also writes a matching checksum."""
+    import hashlib
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('ran')",))
+
+    iteration = tmp_path / "ckpt" / "unpadded" / "iter_0000001"
+    iteration.mkdir(parents=True)
+    torch.save({"model": Payload()}, iteration / "state.pt")
+    digest = hashlib.sha256((iteration / "state.pt").read_bytes()).hexdigest()
+    (iteration / "state.pt.sha256").write_text(f"{digest}  state.pt\n")
+    (iteration.parent / "latest_checkpointed_iteration.txt").write_text("1")
+    _resume_stops(recipe, [*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")], capsys,
+                  "weights_only=True", "state.pt")
+    assert not marker.exists()
+
+
+def test_a_second_run_never_writes_over_a_complete_checkpoint(recipe, saved, tmp_path, capsys):
+    """Issue 34 item 3: a second run with the same --save and no --load wrote over the first run's iter_* and moved the
+    tracker back to its own last step. Now it stops before training (as the GPU job's save refuses), and a save
+    below the tracker is refused by save_state itself."""
+    argv, mode_dir = saved
+    before = {p: p.read_bytes() for p in mode_dir.rglob("*") if p.is_file()}
+    _resume_stops(recipe, [*argv, "--steps", "1", "--out", str(tmp_path / "second")], capsys,
+                  "holds a complete checkpoint at iteration 2", "--save")
+    _resume_stops(recipe, [*argv, "--out", str(tmp_path / "second")], capsys, "holds a complete checkpoint")
+    assert {p: p.read_bytes() for p in mode_dir.rglob("*") if p.is_file()} == before
+    cpu = _cpu_module()
+    for step in (1, 2):
+        with pytest.raises(FileExistsError, match="never written over"):
+            cpu.save_state(str(mode_dir), step, torch.nn.Linear(1, 1), [], torch.optim.SGD([torch.zeros(1)], lr=1),
+                           {})
+    assert (mode_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
+def _cpu_module():
+    spec = importlib.util.spec_from_file_location("moe_gpt_cpu_tests", os.path.join(ROOT, "recipes", "moe_gpt_cpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_resume_with_other_training_settings_stops_and_names_each(recipe, saved, tmp_path, capsys):
+    """Issue 34 item 4: --load with a changed --lr, --seed, --topk or --micro-batches exited 0, trained the checkpoint's
+    settings and recorded the new ones."""
+    argv, _ = saved
+    load = ["--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed")]
+    plain = SHORT  # without the save options
+    text = _resume_stops(recipe, [*plain, *load, "--lr", "0.001", "--seed", "7", "--topk", "1",
+                                  "--micro-batches", "1"], capsys, "--lr", "--seed", "--topk", "--micro-batches")
+    assert "iter_0000002" in text and "--vocab" not in text
+    _resume_stops(recipe, [*plain, *load, "--steps", "3"], capsys, "--steps 2 there, 3 here")
+    # the same settings resume (nothing left to train: the checkpoint is at the last step)
+    assert recipe.main([*plain, *load]) == 0
+    (result,) = glob.glob(str(tmp_path / "resumed" / "moe_gpt-*.json"))
+    assert json.load(open(result))["records"]["unpadded"]["resumed_from_step"] == 2
+
+
+def test_load_of_a_missing_directory_says_so(recipe, torch_settings, tmp_path, capsys):
+    """Issue 34 item 4: the CPU job trained from scratch silently. Both jobs stop (a missing mode in an existing
+    directory is said, then trained from scratch)."""
+    _resume_stops(recipe, [*SHORT, "--load", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")], capsys,
+                  "--load", "nowhere", "no such directory")
+    (tmp_path / "empty").mkdir()
+    assert recipe.main([*SHORT, "--load", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(recipe, saved, tmp_path, capsys, damage):
+    """Issue 34 item 6: a bit-flipped state.pt resumed silently; a truncated one failed with no file name."""
+    argv, mode_dir = saved
+    state = mode_dir / "iter_0000002" / "state.pt"
+    data = bytearray(state.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40  # inside the tensors' bytes
+    else:
+        del data[len(data) // 2:]
+    state.write_bytes(bytes(data))
+    plain = SHORT  # without the save options
+    _resume_stops(recipe, [*plain, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")], capsys,
+                  str(state), "checksum")
+
+
+def test_two_runs_into_one_out_keep_both_results(recipe, torch_settings, tmp_path, monkeypatch):
+    """Issue 34 item 6: two runs within one minute wrote the same moe_gpt-<minute>.json and .png."""
+    import datetime
+
+    fixed = datetime.datetime(2026, 12, 3, 12, 0, tzinfo=datetime.timezone.utc)
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return fixed
+
+    monkeypatch.setattr(recipe.datetime, "datetime", Frozen)
+    argv = [*TINY, "--steps", "1", "--modes", "unpadded", "--out", str(tmp_path)]
+    assert recipe.main(argv) == 0 and recipe.main([*argv, "--seed", "5"]) == 0
+    results = sorted(glob.glob(str(tmp_path / "moe_gpt-*.json")))
+    assert [os.path.basename(p) for p in results] == ["moe_gpt-20261203-1200-2.json", "moe_gpt-20261203-1200.json"]
+    assert {json.load(open(p))["config"]["seed"] for p in results} == {5, recipe.parse_args(argv).seed}
+    assert all(os.path.exists(p[:-len(".json")] + ".png") for p in results)
+
+
+def test_an_unwritable_out_is_found_before_training(recipe, torch_settings, tmp_path, capsys):
+    """Issue 34 item 6: the results' directory failed only after every mode had trained."""
+    (tmp_path / "a_file").write_text("x")
+    _resume_stops(recipe, [*SHORT, "--out", str(tmp_path / "a_file" / "out")], capsys, "--out", "a_file")
+
+
+@pytest.mark.parametrize("option, rule", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--micro-batches", "0"], "--micro-batches must be >= 1"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--log-every", "0"], "--log-every must be >= 1"),
+    (["--heads", "3"], "--hidden 128 must be divisible by --heads 3"),
+    (["--topk", "5"], "--topk 5 must be <= --experts 4"),
+])
+def test_bad_sizes_stop_in_one_line_naming_the_option(recipe, capsys, option, rule):
+    """Issue 34 item 7: these reached the training loop (IndexError, ZeroDivisionError, reshape errors)."""
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(["--cpu", *option])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and rule in err, err
+
+
+def test_the_gpu_jobs_resume_checks_the_settings_too(recipe, tmp_path, monkeypatch):
+    """Issue 34 item 4 for the GPU job (recipes/moe_gpt.py `resume`): the same check as the CPU job's, on what
+    megatron_tma.mcore.checkpoint.load_checkpoint hands back (stood in for: no Megatron or GPU here)."""
+    args = recipe.parse_args(["--load", str(tmp_path), "--steps", "4"])
+    saved = {"losses": [1.0, 0.5], "train_args": {**recipe.training_args(args), "lr": 1.0, "seed": 9}}
+    monkeypatch.setattr(recipe.checkpoint, "latest_iteration", lambda directory: 2)
+    monkeypatch.setattr(recipe.checkpoint, "load_checkpoint", lambda directory, models, optimizer: (2, saved))
+    monkeypatch.setattr(recipe.dist, "get_rank", lambda: 0, raising=False)
+    with pytest.raises(SystemExit) as e:
+        recipe.resume(args, "unpadded", None, None)
+    assert "--lr 1.0 there, 0.0003 here" in str(e.value.code) and "--seed 9 there, 1234 here" in str(e.value.code)
+    saved["train_args"] = recipe.training_args(args)
+    assert recipe.resume(args, "unpadded", None, None) == (2, saved)
+    del saved["train_args"]
+    with pytest.raises(SystemExit, match="holds no record of the settings"):
+        recipe.resume(args, "unpadded", None, None)

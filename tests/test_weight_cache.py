@@ -209,3 +209,115 @@ def test_a_forward_under_graph_capture_quantizes_inside_the_graph(gen, monkeypat
     for lin in (module.linear_fc1, module.linear_fc2):
         lin.graph_reuses_cached_weights = False
     assert not torch.equal(module(x, sizes)[0], before) and _fresh(module)  # captured: today's weights
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation between training steps, copies and pickles (issue 34, items 1 and 5)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _steps_with_evals(weight_layout, recompute, gen_seed, eval_mode, steps=3):
+    """Losses and final weights of `steps` AdamW steps, with a forward under `eval_mode` (None: none) before every
+    step's training forward (after the previous step: the cache then misses inside the eval)."""
+    torch.manual_seed(1)
+    module = GroupedFP8MLP(G, H, FFN, "swiglu", backend="reference", weight_layout=weight_layout,
+                           recompute_activation=recompute)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    x, sizes, target = _batch(torch.Generator().manual_seed(gen_seed))
+    probs = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(gen_seed))
+    losses = []
+    for _ in range(steps):
+        if eval_mode is not None:
+            with eval_mode():
+                module(x, sizes, probs)
+        out, _ = module(x, sizes, probs)
+        loss = (out.float() - target.float()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute_activation"])
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("eval_mode", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_an_eval_between_steps_changes_nothing_in_training(eval_mode, weight_layout, recompute):
+    """Issue 34 item 1: a forward under inference_mode between two steps left inference-mode FP8 copies in the cache,
+    and the next training forward raised 'Inference tensors cannot be saved for backward'. With an eval under
+    inference_mode or no_grad before every step, training computes the same bits as without."""
+    plain_losses, plain_params = _steps_with_evals(weight_layout, recompute, 7, None)
+    losses, params = _steps_with_evals(weight_layout, recompute, 7, eval_mode)
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+
+def test_a_model_built_under_inference_mode_runs_and_is_not_cached(gen):
+    """Inference tensors carry no version counter (the cache key read it and raised): such weights are quantized on
+    every call, and a write to them in inference mode is seen."""
+    x, sizes, _ = _batch(gen)
+    with torch.inference_mode():
+        module = _mlp()
+        first = module(x, sizes)[0]
+        assert torch.equal(module(x, sizes)[0], first)
+        module.linear_fc1.weight.mul_(-1.0)
+        assert not torch.equal(module(x, sizes)[0], first)
+
+
+def _tensor_at(memory: torch.Tensor, version: int) -> torch.Tensor:
+    """A new tensor object over `memory`'s bytes (another version counter), moved to `version` by no-op writes: what a
+    later allocation that lands on freed memory looks like to a cache key (pointer and version)."""
+    t = torch.empty(0, dtype=memory.dtype).set_(memory.untyped_storage(), memory.storage_offset(), memory.shape,
+                                                memory.stride())
+    with torch.no_grad():
+        while t._version < version:
+            t.add_(0)
+    assert t.data_ptr() == memory.data_ptr() and t._version == version
+    return t
+
+
+def test_a_deep_copied_cache_is_not_satisfied_by_another_tensor_at_the_old_address(gen):
+    """Issue 34 item 5: a deep copy of a cache kept the original's key (pointers, versions) with copies of the memory
+    behind it; a tensor that later lay at the original's address with the same version count hit that key and got the
+    original's FP8 copies. Here the original's bytes change and a new tensor at its address with its version asks."""
+    import copy
+
+    w = (torch.randn(2, 128, 128, generator=gen) * 0.1).bfloat16()
+    w.add_(0).add_(0)  # version 2: a tensor set_ over its memory starts at 1
+    cache = autograd.FP8WeightCache()
+    cache.get([w], backend="reference")
+    copied = copy.deepcopy(cache)
+    version = w._version
+    with torch.no_grad():
+        w.data.mul_(-2.0)  # the memory now holds other weights (the original's entry is not what is asked below)
+    other = _tensor_at(w, version)
+    got = copied.get([other], backend="reference")
+    assert torch.equal(_bits(got.q), _bits(R.quantize_128x128(other)[0]))
+    # and a hand-made entry whose aliases are not the memory at its key's pointers is not a hit either
+    stale = autograd.FP8WeightCache()
+    stale.get([w.clone()], backend="reference")
+    entry = stale._entry
+    stale._entry = entry._replace(key=entry.key[:4] + ((other.data_ptr(),), (other._version,)) + entry.key[6:])
+    got = stale.get([other], backend="reference")
+    assert torch.equal(_bits(got.q), _bits(R.quantize_128x128(other)[0]))
+
+
+@pytest.mark.parametrize("weight_layout", ["stacked", "per_expert"])
+def test_deep_copies_and_pickles_of_a_layer_compute_with_their_own_weights(gen, weight_layout):
+    """Issue 34 item 5: a deep copy or an unpickled copy of a layer (after its first forward) starts with an empty
+    cache and computes with its own weights, also after it loads other weights with assign=True."""
+    import copy
+    import pickle
+
+    x, sizes, _ = _batch(gen)
+    module = _mlp(weight_layout)
+    module(x, sizes)
+    other = _mlp(weight_layout, seed=5)
+    want = other(x, sizes)[0]
+    for make in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        clone = make(module)
+        for lin in (clone.linear_fc1, clone.linear_fc2):
+            assert lin.weight_cache._entry is None
+        assert torch.equal(clone(x, sizes)[0], module(x, sizes)[0])
+        clone.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+        assert torch.equal(clone(x, sizes)[0], want)

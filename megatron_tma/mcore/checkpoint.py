@@ -18,7 +18,8 @@ keeps its iteration and arguments in its own objects). What is saved:
 * `progress`: any picklable object the caller keeps with the checkpoint (the same on every rank; rank 0's is saved).
 A checkpoint counts once `latest_checkpointed_iteration.txt` names it, which rank 0 writes after every rank finished
 its part: a run killed while saving resumes from the checkpoint before, and the unfinished directory it left is
-written over when the run gets there again (a complete checkpoint never is). The entries are built with the
+written over when the run gets there again (a complete checkpoint never is, and the tracker never moves back:
+`save_refusal`). The entries are built with the
 metadata Megatron-LM passes (`_metadata`). Per-rank RNG states are restored at the same world size only; the
 optimizer formats themselves reshard along data parallelism.
 With the distributed optimizer's parameter all-gather overlapped, the stepped parameters are gathered before saving,
@@ -33,8 +34,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "write_tracker", "save_checkpoint",
-           "load_checkpoint"]
+__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "write_tracker", "save_refusal",
+           "save_checkpoint", "load_checkpoint"]
 
 OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's formats megatron-core 0.19 saves
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
@@ -62,6 +63,18 @@ def write_tracker(directory: str, iteration: int) -> None:
     with open(tmp, "w") as f:
         f.write(str(iteration))
     os.replace(tmp, os.path.join(directory, TRACKER_FILE))
+
+
+def save_refusal(directory: str, iteration: int) -> Optional[str]:
+    """Why `iteration` must not be saved into `directory` (None: it may): a complete checkpoint there at the same or a
+    later iteration, which the save would write over or whose tracker it would move back. Both recipe jobs ask this
+    before saving (a second run into a --save directory it did not resume from)."""
+    latest = latest_iteration(directory)
+    if latest is None or iteration > latest:
+        return None
+    return (f"{directory} holds a complete checkpoint at iteration {latest}; saving iteration {iteration} there would "
+            f"{'write over it' if iteration == latest else 'move its tracker back'}: a complete checkpoint is never "
+            "written over and a tracker never moves back (resume from it with --load, or save elsewhere)")
 
 
 def _model_keys(models) -> List[str]:
@@ -204,13 +217,10 @@ def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_
     path = checkpoint_dir(directory, iteration)
     refusal = [None]  # rank 0 decides, every rank raises alike (a refusal on one rank would hang the others)
     if dist.get_rank() == 0:
-        latest = latest_iteration(directory)
-        if os.path.exists(path) and os.listdir(path):
-            if latest is not None and iteration <= latest:
-                refusal = [f"{path} holds a complete checkpoint; a checkpoint is never written over another"]
-            else:  # the tracker never named it: what a run killed while saving left behind
-                shutil.rmtree(path)
+        refusal = [save_refusal(directory, iteration)]
         if refusal[0] is None:
+            if os.path.exists(path) and os.listdir(path):  # the tracker never named it: a run killed while saving
+                shutil.rmtree(path)
             os.makedirs(path, exist_ok=True)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
