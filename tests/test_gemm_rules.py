@@ -88,7 +88,7 @@ K_BAD = [
     ({}, {"num_groups": 4}, ValueError, "G sizes or G\\+1 offsets with G=4"),
     # issue 34 item 8: sizes that cover fewer tokens than the operands hold (a partial dW before)
     ({"groups": lambda g: g - torch.tensor([0, 0, 40])}, {}, ValueError,
-     r"group sizes sum to M_total=120, but the wgrad operands \(P=208 token columns, MB=4 scale rows\)"),
+     r"group sizes sum to M_total=120, but the wgrad operands \(P=640 token columns, MB=4 scale rows\)"),
     ({"groups": lambda g: torch.tensor([0, 100, 100, 120])}, {"num_groups": 3}, ValueError,
      "group sizes sum to M_total=120"),
     # within the operands' rounding only m_total tells (the sizes must then sum to it)
