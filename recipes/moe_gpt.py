@@ -43,6 +43,13 @@ existing file). Before any distributed set-up it stops with one line for each mi
 Python >= 3.12 and megatron-core, megatron_tma's CUDA kernels (without them the experts would run the torch
 reference), torchrun; matplotlib for `--plot` and `--cpu`.
 
+Transformer Engine (issue 33; docs/megatron.md): `--transformer-impl transformer_engine` builds TE's layer spec
+(attention, norms, dense and shared-expert MLPs are TE modules) and `--fp8-format e4m3 --fp8-recipe blockwise` trains
+them in TE's FP8 under Megatron's own FP8 context; mode `te` is Megatron's TEGroupedMLP under the same recipe (the
+incumbent); our modes drop into the same TE model by the same switch. `--preset dsv3-like --modes unpadded te bf16`
+is the head-to-head (the result's `head_to_head`: tokens/s and peak-memory ratios, the last 100 steps' loss gap, the
+experts' share of the step from `--experts-share-steps`). TE is optional: without it `--transformer-impl
+transformer_engine` stops with one line.
 `--cpu`: the CPU job, on one process without Megatron or a GPU (recipes/moe_gpt_cpu.py; its docstring lists what in
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
 backend (modes unpadded, padded16, padded128, bf16; a few minutes on 2 cores at its default size, any size option
