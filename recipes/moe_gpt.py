@@ -77,6 +77,7 @@ process keeps another's model.
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -781,8 +782,9 @@ class ExpertsTimer:
     so the measure is the same for Megatron's experts and megatron_tma's; off (no marks, no events) outside the
     measured steps."""
 
-    def __init__(self, models):
+    def __init__(self, models, event=None):
         self.active, self.events = False, []
+        self.event = event or functools.partial(torch.cuda.Event, enable_timing=True)
         for model in models:
             for module in model.modules():
                 experts = getattr(module, "experts", None)
@@ -798,14 +800,14 @@ class ExpertsTimer:
         return marked
 
     def record(self, phase, begin):
-        event = torch.cuda.Event(enable_timing=True)
+        event = self.event()
         event.record()
         self.events.append((phase, begin, event))
 
     def start(self, active):
         self.active, self.events = active, []
         if active:
-            self.step_start = torch.cuda.Event(enable_timing=True)
+            self.step_start = self.event()
             self.step_start.record()
 
     def stop(self):
@@ -813,7 +815,7 @@ class ExpertsTimer:
         if not self.active:
             return None
         self.active = False
-        end = torch.cuda.Event(enable_timing=True)
+        end = self.event()
         end.record()
         start, events = self.step_start, self.events
 

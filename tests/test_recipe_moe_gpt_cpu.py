@@ -506,3 +506,65 @@ def test_head_to_head_ratios_and_targets(recipe):
     assert te["targets"]["met"] == {"speedup": True, "loss_within_1pct": True, "peak_at_or_below": True}
     assert bf16["targets"]["met"] == {"speedup": False, "loss_within_1pct": False}  # x1.05; 3.4% off
     assert recipe.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
+
+
+class _ClockEvent:
+    """A stand-in for torch.cuda.Event on the CPU: `record()` takes the next tick of a shared clock; elapsed_time is
+    the ticks between two events."""
+    clock = 0
+
+    def record(self):
+        _ClockEvent.clock += 1
+        self.t = _ClockEvent.clock
+
+    def elapsed_time(self, other):
+        return float(other.t - self.t)
+
+
+def test_experts_timer_marks_the_experts_forward_and_backward(recipe):
+    """The experts' share: marks on the experts' input and output in every MoE layer (a module with `experts` and a
+    `token_dispatcher`, as Megatron's MoELayer) record events in forward (in, out) and backward (out, in); the
+    intervals between them are the experts' time. Off, the wrapped forward is the experts' own (no marks); on, the
+    outputs and gradients are unchanged."""
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x, tokens_per_expert, probs=None):
+            return x @ self.w * probs.unsqueeze(-1), None
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.token_dispatcher, self.pre = Experts(), object(), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.pre(x)
+            out, _ = self.experts(h, torch.tensor([x.shape[0]]), torch.ones(x.shape[0]))
+            return out.tanh()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoELayer(), MoELayer())
+    x = torch.randn(5, 8)
+    plain_out = model(x)
+    plain_out.sum().backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    timer = recipe.ExpertsTimer([model], event=_ClockEvent)
+    for p in model.parameters():
+        p.grad = None
+    timer.start(False)
+    assert timer.stop() is None and timer.events == []
+    timer.start(True)
+    out = model(x)
+    out.sum().backward()
+    share = timer.stop()
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads))
+    # two layers: forward in, out, in, out; backward (last layer first) out, in, out, in
+    assert [(phase, begin) for phase, begin, _ in timer.events] == [
+        ("fwd", True), ("fwd", False), ("fwd", True), ("fwd", False),
+        ("bwd", True), ("bwd", False), ("bwd", True), ("bwd", False)]
+    measured = share()
+    assert measured["experts_ms"] == 4.0 and measured["step_ms"] == 9.0  # 4 intervals of 1 tick, 8 events + 1
+    assert measured["share"] == pytest.approx(4 / 9)
