@@ -142,7 +142,9 @@ setup(
     packages=find_packages(include=["megatron_tma", "megatron_tma.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
-    extras_require={"test": TEST_REQUIRES},
+    # "te": Transformer Engine for the recipe's --transformer-impl transformer_engine (GPU machines only; it builds
+    # its PyTorch extension with nvcc). Never needed by the CPU install or the CPU tests; TE's tests skip without it.
+    extras_require={"test": TEST_REQUIRES, "te": ['transformer-engine[pytorch]==2.20.2; python_version >= "3.12"']},
     package_data={"megatron_tma": ["_no_kernels.txt"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -43,6 +43,13 @@ existing file). Before any distributed set-up it stops with one line for each mi
 Python >= 3.12 and megatron-core, megatron_tma's CUDA kernels (without them the experts would run the torch
 reference), torchrun; matplotlib for `--plot` and `--cpu`.
 
+Transformer Engine (issue 33; docs/megatron.md): `--transformer-impl transformer_engine` builds TE's layer spec
+(attention, norms, dense and shared-expert MLPs are TE modules) and `--fp8-format e4m3 --fp8-recipe blockwise` trains
+them in TE's FP8 under Megatron's own FP8 context; mode `te` is Megatron's TEGroupedMLP under the same recipe (the
+incumbent); our modes drop into the same TE model by the same switch. `--preset dsv3-like --modes unpadded te bf16`
+is the head-to-head (the result's `head_to_head`: tokens/s and peak-memory ratios, the last 100 steps' loss gap, the
+experts' share of the step from `--experts-share-steps`). TE is optional: without it `--transformer-impl
+transformer_engine` stops with one line.
 `--cpu`: the CPU job, on one process without Megatron or a GPU (recipes/moe_gpt_cpu.py; its docstring lists what in
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
 backend (modes unpadded, padded16, padded128, bf16; a few minutes on 2 cores at its default size, any size option
@@ -68,13 +75,16 @@ unpadded`, `--modes padded16`, ... (`scripts/recipe_modes.sh`) and merge the res
 process keeps another's model.
 """
 import argparse
+import contextlib
 import datetime
+import functools
 import gc
 import hashlib
 import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -104,12 +114,13 @@ def import_megatron():
     global parallel_state, DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads, GPTModel
     global get_gpt_layer_local_spec, OptimizerConfig, get_megatron_optimizer, get_forward_backward_func
     global get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name, model_parallel_cuda_manual_seed
-    global Float16Module, TransformerConfig, layer_spec_from_config
+    global Float16Module, TransformerConfig, layer_spec_from_config, gpt_layer_specs
     try:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -126,9 +137,36 @@ def import_megatron():
 
 MEGATRON_PYTHON = (3, 12)  # megatron-core 0.19's requires-python
 
-# megatron_tma's modes, and "megatron": the config flag left unset, i.e. Megatron's own experts of the local spec
-# (SequentialMLP: one BF16 MLP per expert), with their weights drawn as megatron_tma's are (same initial model).
-RECIPE_MODES = MODES + ("megatron",)
+
+def te_import_error():
+    """The error importing Transformer Engine's PyTorch API raises, or None. Checked before megatron-core is imported
+    (megatron-core picks its TE code paths at import), only for --transformer-impl transformer_engine: TE is an
+    optional extra, never needed by the local spec or the CPU job."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # not installed, or its library does not load (no GPU driver, a CUDA mismatch)
+        return e
+    return None
+
+# megatron_tma's modes, and Megatron's own experts (the config flag left unset), given the initial weights
+# megatron_tma's experts draw (same initial model): "megatron", those of the local spec (SequentialMLP: one BF16 MLP
+# per expert), and "te", those of Transformer Engine's spec (TEGroupedMLP: TE's GroupedLinear, under the run's FP8
+# recipe behind Fp8Padding: the incumbent these experts replace).
+RECIPE_MODES = MODES + ("megatron", "te")
+# --transformer-impl (Megatron-LM's option): the layer spec around the experts. The default is "local" so that the
+# recipe runs where Transformer Engine is not installed (it is an optional extra: `pip install -e ".[te]"` on a GPU
+# machine); Megatron-LM's own default is "transformer_engine", which is what a real run uses.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+FP8_FORMATS = ("e4m3",)  # Megatron-LM's --fp8-format; only E4M3 is taken: the format of megatron_tma's own recipe
+FP8_RECIPES = ("blockwise",)  # Megatron-LM's --fp8-recipe; blockwise (1x128 / 128x128) is the recipe ours computes
+# Each impl's default modes: every megatron_tma mode and Megatron's own experts of that spec ("te" only under FP8).
+DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
+# --preset dsv3-like: a DeepSeek-V3-like MoE shrunk to one H200 at EP = 1 (fine-grained experts: 64 of FFN 640 at
+# hidden 2048, top-8, one shared expert of the same FFN), big enough that the experts are a real share of the step
+# and small enough that three modes of 300 steps run in one process within ten minutes. Any option overrides it.
+PRESETS = {"dsv3-like": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8, expert_ffn=640,
+                             shared_expert_ffn=640, seq_len=2048, micro_batch_size=2, micro_batches=2, vocab=4096,
+                             lr=3e-4)}
 RECOMPUTE_MODULES = ("moe_act", "moe", "core_attn", "layernorm", "mlp")
 # The CPU job (--cpu, recipes/moe_gpt_cpu.py): megatron_tma's modes on the reference backend, without Megatron, and
 # its default size (a few minutes on 2 cores; every size option overrides it as in the GPU job)
@@ -144,7 +182,35 @@ def parse_args(argv=None):
                         "backend, without Megatron or a GPU (recipes/moe_gpt_cpu.py says why), one process; the same "
                         "bit-for-bit checks and plot. Default size: " + ", ".join(
                             f"--{k.replace('_', '-')} {v}" for k, v in CPU_SIZE.items()))
-    p.add_argument("--modes", nargs="+", default=list(RECIPE_MODES), choices=RECIPE_MODES)
+    p.add_argument("--modes", nargs="+", default=None, choices=RECIPE_MODES,
+                   help="experts modes, trained one after the other from the same weights (default: every "
+                        "megatron_tma mode and Megatron's own experts of the spec: `megatron` with --transformer-impl "
+                        "local, `te` with transformer_engine and --fp8-format)")
+    p.add_argument("--preset", choices=sorted(PRESETS),
+                   help="a model size: " + "; ".join(f"{name}: " + ", ".join(
+                       f"--{k.replace('_', '-')} {v}" for k, v in size.items()) for name, size in PRESETS.items())
+                   + " (any size option overrides it)")
+    p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                   help="Megatron-LM's option: the layer spec around the experts. transformer_engine: Transformer "
+                        "Engine's spec (attention, layer norms, dense and shared-expert MLPs are TE modules; "
+                        "Megatron's own experts are TEGroupedMLP, mode `te`), which needs transformer_engine "
+                        "installed. Default local (Megatron's local spec; Megatron-LM's default is "
+                        "transformer_engine), so that the recipe runs where TE is not installed: TE is an optional "
+                        "extra for GPU machines")
+    p.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                   help="Megatron-LM's option: train the Transformer Engine layers in FP8 (config.fp8), under "
+                        "Megatron's own FP8 context; needs --transformer-impl transformer_engine. megatron_tma's "
+                        "experts quantize themselves and are the same in every case")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="blockwise",
+                   help="Megatron-LM's option (config.fp8_recipe), with --fp8-format: blockwise (TE's "
+                        "Float8BlockScaling, DeepSeek-V3's recipe; default here, Megatron-LM's default is delayed)")
+    p.add_argument("--shared-expert-ffn", type=int, default=None, metavar="FFN",
+                   help="a shared expert of this FFN size in every MoE layer (moe_shared_expert_intermediate_size; "
+                        "Megatron's MLP: a TE module under --transformer-impl transformer_engine)")
+    p.add_argument("--experts-share-steps", type=int, default=10, metavar="K",
+                   help="measure the experts' share of the step on the last K steps: CUDA events on the stream "
+                        "where the experts' forward starts and ends and where their backward starts and ends, "
+                        "against the whole step (0: off)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -224,12 +290,22 @@ def parse_args(argv=None):
                         "grad norms, and final parameters")
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--cpu", action="store_true")
-    if pre.parse_known_args(argv)[0].cpu:
+    pre.add_argument("--preset", choices=sorted(PRESETS))
+    known = pre.parse_known_args(argv)[0]
+    if known.cpu:
         p.set_defaults(modes=list(CPU_MODES), **CPU_SIZE)
+    if known.preset:
+        p.set_defaults(**PRESETS[known.preset])
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = list(DEFAULT_MODES[args.transformer_impl]) + (
+            ["te"] if args.transformer_impl == "transformer_engine" and args.fp8_format else [])
     if args.cpu:
         megatron_only = [flag for flag, asked in (
-            ("--modes megatron", "megatron" in args.modes), ("--ep", args.ep not in (None, 1)),
+            ("--modes megatron", "megatron" in args.modes), ("--modes te", "te" in args.modes),
+            ("--transformer-impl transformer_engine", args.transformer_impl != "local"),
+            ("--fp8-format", args.fp8_format is not None), ("--shared-expert-ffn", args.shared_expert_ffn is not None),
+            ("--ep", args.ep not in (None, 1)),
             ("--etp", args.etp != 1), ("--pp", args.pp != 1), ("--vpp", args.vpp is not None),
             ("--overlap-grad-reduce", args.overlap_grad_reduce),
             ("--distributed-optimizer", args.distributed_optimizer),
@@ -251,13 +327,32 @@ def parse_args(argv=None):
                 "--distributed-optimizer")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
+    refusal = transformer_impl_refusal(args)
+    if refusal:
+        p.error(refusal)
     return args
+
+
+def transformer_impl_refusal(args):
+    """Why --transformer-impl, the FP8 options and the modes do not go together (one line), or None."""
+    te = args.transformer_impl == "transformer_engine"
+    if args.fp8_format and not te:
+        return ("--fp8-format: Megatron's FP8 is Transformer Engine's (its FP8 layers are TE modules, the local spec "
+                "has none): add --transformer-impl transformer_engine")
+    if "te" in args.modes and not (te and args.fp8_format):
+        return ("--modes te is Megatron's TEGroupedMLP under the run's FP8 recipe: add --transformer-impl "
+                "transformer_engine --fp8-format e4m3 --fp8-recipe blockwise")
+    if "megatron" in args.modes and te:
+        return ("--modes megatron is Megatron's own experts of the local spec (SequentialMLP); under "
+                "--transformer-impl transformer_engine Megatron's own experts are --modes te (TEGroupedMLP)")
+    return None
 
 
 # Options that must be positive integers (any run: a zero reached the training loop as an IndexError, a
 # ZeroDivisionError or a reshape error).
 POSITIVE = ("steps", "micro_batches", "micro_batch_size", "seq_len", "layers", "hidden", "heads", "experts", "topk",
             "expert_ffn", "vocab", "log_every", "etp", "pp")
+NON_NEGATIVE = ("experts_share_steps",)
 
 
 def bad_sizes(args):
@@ -265,7 +360,10 @@ def bad_sizes(args):
     for name in POSITIVE:
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("ep", "kill_after_step", "ddp_bucket_size"):
+    for name in NON_NEGATIVE:
+        if getattr(args, name) < 0:
+            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
+    for name in ("ep", "kill_after_step", "ddp_bucket_size", "shared_expert_ffn"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if args.hidden % args.heads:
@@ -278,7 +376,11 @@ def bad_sizes(args):
 # The options that do not change what a run trains (where it reads and writes, what it prints, when it stops or saves,
 # which modes): every other option must be the checkpoint's for a resume (check_resume).
 NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "kill_after_step", "plot", "compare",
-                "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable")
+                "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable", "preset", "experts_share_steps")
+
+
+# Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
+ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None}
 
 
 def training_args(args):
@@ -295,7 +397,8 @@ def check_resume(args, progress, where):
         fail(f"{where} holds no record of the settings it was trained with (saved before they were recorded), so a "
              "resume from it cannot be checked: train from scratch")
     now = training_args(args)
-    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    # options added after a checkpoint was saved: it trained with their defaults
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, ADDED_OPTIONS.get(k)) != now.get(k)]
     if differ:
         fail(f"{where} was trained with other settings than this run's: "
              + "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ)
@@ -324,6 +427,30 @@ def ddp_settings(args):
     if args.ddp_bucket_size is not None:
         settings["bucket_size"] = args.ddp_bucket_size
     return settings
+
+
+def model_settings(args):
+    """The TransformerConfig fields of the spec and precision options: Megatron-LM's `--transformer-impl`,
+    `--fp8-format` / `--fp8-recipe` (TE FP8 of the TE layers under Megatron's FP8 context), the shared expert.
+    Never `moe_router_padding_for_quantization` (alias `moe_router_padding_for_fp8`): it would pad every expert's
+    routed tokens for FP8 in Megatron's dispatcher, which megatron_tma's experts do not need (docs/megatron.md), and
+    TEGroupedMLP pads its own tokens (Fp8Padding)."""
+    settings = dict(transformer_impl=args.transformer_impl, moe_shared_expert_intermediate_size=args.shared_expert_ffn)
+    if args.fp8_format:
+        settings.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+    if args.transformer_impl == "transformer_engine" and not args.nondeterministic:
+        # TE's attention picks deterministic kernels only so (Megatron-LM's --deterministic-mode; preflight sets
+        # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which that mode requires)
+        settings["deterministic_mode"] = True
+    return settings
+
+
+def base_layer_spec(args):
+    """The layer spec Megatron-LM's `--transformer-impl` picks for the MoE model (Megatron's own experts in it)."""
+    if args.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts,
+                                                                          moe_grouped_gemm=True)
+    return get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True)
 
 
 def recompute_settings(args):
@@ -388,10 +515,11 @@ def build(args, mode):
         pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
         moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
-        **recompute_settings(args),
+        **model_settings(args), **recompute_settings(args),
     )
-    setattr(config, CONFIG_FLAG, None if mode == "megatron" else mode)  # the switch: Megatron's -> megatron_tma's
-    spec = layer_spec_from_config(get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True), config)
+    # the switch: Megatron's own experts of the spec ("megatron", "te") -> megatron_tma's, in either spec
+    setattr(config, CONFIG_FLAG, None if mode in MEGATRONS_OWN else mode)
+    spec = layer_spec_from_config(base_layer_spec(args), config)
     gpts = []
     for vp in range(args.vpp) if args.vpp else [None]:
         gpts.append(GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
@@ -399,7 +527,7 @@ def build(args, mode):
                              pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                              post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
                              vp_stage=vp).cuda())
-    if mode == "megatron":
+    if mode in MEGATRONS_OWN:
         redraw_megatron_experts(gpts, config, args.seed)
     # as Megatron-LM: the chunks after the first keep all their parameters in one bucket
     models = [DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_settings(args)),
@@ -414,36 +542,56 @@ def build(args, mode):
     return models, optimizer
 
 
+MEGATRONS_OWN = ("megatron", "te")  # the modes that keep the spec's own experts (the config flag unset)
+
+
+def expert_weights_of(experts, name):
+    """The per-expert `[N, K]` weights of linear `name` of Megatron's own experts, in expert order: SequentialMLP's
+    `local_experts[i].<name>.weight`, TEGroupedMLP's `<name>.weight{i}` (TE's GroupedLinear)."""
+    if hasattr(experts, "local_experts"):
+        return [getattr(e, name).weight for e in experts.local_experts]
+    linear = getattr(experts, name)
+    return [getattr(linear, f"weight{i}") for i in range(experts.num_local_experts)]
+
+
 def redraw_megatron_experts(gpts, config, seed):
-    """Give Megatron's SequentialMLP experts the initial weights megatron_tma's experts draw: from the freshly seeded
-    expert-parallel RNG state, chunk by chunk and layer by layer (the order they were built in), every expert's fc1
-    then every expert's fc2 (SequentialMLP draws expert by expert). The dense layers are already built; re-seeding
-    only restarts the tracker's streams."""
+    """Give Megatron's own experts (SequentialMLP, or TEGroupedMLP under TE's spec) the initial weights megatron_tma's
+    experts draw: from the freshly seeded expert-parallel RNG state, chunk by chunk and layer by layer (the order
+    they were built in), every expert's fc1 then every expert's fc2 (Megatron's experts draw expert by expert, and
+    TE's GroupedLinear in its own RNG order). The dense layers are already built; re-seeding only restarts the
+    tracker's streams."""
     model_parallel_cuda_manual_seed(seed)
     with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
         for layer in (layer for gpt in gpts for layer in gpt.decoder.layers):
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if experts is None:
                 continue
-            for e in experts.local_experts:
-                config.init_method(e.linear_fc1.weight)
-            for e in experts.local_experts:
-                config.output_layer_init_method(e.linear_fc2.weight)
+            for w in expert_weights_of(experts, "linear_fc1"):
+                config.init_method(w)
+            for w in expert_weights_of(experts, "linear_fc2"):
+                config.output_layer_init_method(w)
 
 
 def experts_against_megatron(gpt, seed):
     """megatron_tma's experts (BF16 and unpadded FP8) given the weights of the first layer's Megatron experts
-    (SequentialMLP), on the same routed tokens: the diff of docs/design.md §3 of each output against Megatron's, in float64.
-    BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise."""
-    seq = gpt.decoder.layers[0].mlp.experts
-    state = {from_sequential_mlp_key(k): v for k, v in seq.state_dict().items() if from_sequential_mlp_key(k)}
+    (SequentialMLP; or TEGroupedMLP, mode `te`), on the same routed tokens: the diff of docs/design.md §3 of each
+    output against Megatron's, in float64. Everything runs under Megatron's FP8 context when the config sets FP8 (as
+    in training: TEGroupedMLP then computes in TE's FP8 recipe, ours are unaffected by it). Against SequentialMLP,
+    BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise; against TE's FP8
+    experts, both within FP8 noise."""
+    theirs = gpt.decoder.layers[0].mlp.experts
+    state = {}
+    for k, v in theirs.state_dict().items():
+        key = from_sequential_mlp_key(k) or (k if re.fullmatch(r"linear_fc[12]\.weight\d+", k) else None)
+        if key:  # SequentialMLP's keys renamed; TEGroupedMLP has megatron_tma's keys already (not its _extra_state)
+            state[key] = v
     g = torch.Generator(device="cuda").manual_seed(seed)
-    n = seq.num_local_experts
+    n = theirs.num_local_experts
     sizes = torch.randint(0, 400, (n,), generator=g, device="cuda")
     x = torch.randn(int(sizes.sum()), gpt.config.hidden_size, generator=g, device="cuda").bfloat16()
     probs = torch.rand(x.shape[0], generator=g, device="cuda")
-    with torch.no_grad():
-        ref = seq(x, sizes.cpu(), probs)[0].double()
+    with torch.no_grad(), fp8_context(gpt.config):
+        ref = theirs(x, sizes.cpu(), probs)[0].double()
         diffs = {}
         for mode in ("bf16", "unpadded"):
             ours = megatron_experts(n, gpt.config, mode=mode)
@@ -451,6 +599,15 @@ def experts_against_megatron(gpt, seed):
             out = ours(x, sizes, probs)[0].double()
             diffs[mode] = float(1 - 2 * (out * ref).sum() / ((out * out).sum() + (ref * ref).sum()))
     return diffs
+
+
+def fp8_context(config):
+    """Megatron's own FP8 context for the whole model (`fp8_utils.get_fp8_context`), a null context without FP8."""
+    if not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config)
 
 
 def chunk_prefixes(models):
@@ -463,7 +620,9 @@ def canonical_weights(models):
     MLPs renamed): what every mode must start from."""
     for prefix, model in chunk_prefixes(models):
         for key, value in model.state_dict().items():
-            if isinstance(value, torch.Tensor):
+            # TE modules' `_extra_state` (their FP8 metadata, serialized) is not a weight: Megatron's own TE experts
+            # have one per linear, megatron_tma's none
+            if isinstance(value, torch.Tensor) and not key.endswith("_extra_state"):
                 yield prefix + (from_sequential_mlp_key(key) or key), value
 
 
@@ -522,13 +681,16 @@ def train(args, mode, rank, batches):
         progress = {"losses": [], "grad_norms": [], "times": [], "train_args": training_args(args),
                     "init_digests": gathered(digests(canonical_weights(models))),
                     "experts_diff_vs_megatron": (experts_against_megatron(models[0].module.module, args.seed)
-                                                 if mode == "megatron" else None)}
+                                                 if mode in MEGATRONS_OWN else None)}
     losses, grad_norms, times = progress["losses"], progress["grad_norms"], progress["times"]
+    shares = progress.setdefault("experts_share", [])
     data = data_iterators(models, batches[start * args.micro_batches:])
     fwd_bwd = get_forward_backward_func()
+    timer = ExpertsTimer(models)
     for step in range(start, args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        timer.start(step >= args.steps - args.experts_share_steps)
         profiler = None
         if step == args.profile_step:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -547,9 +709,12 @@ def train(args, mode, rank, batches):
             if rank == 0:
                 print(f"[{mode}] step {step} profile:\n" + profiler.key_averages().table(
                     sort_by="self_device_time_total", row_limit=15, max_name_column_width=60), flush=True)
+        share = timer.stop()
         loss = step_loss(out)
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
+        if share is not None:
+            shares.append(share())
         if not ok or not math.isfinite(loss):
             raise RuntimeError(f"{mode}: step {step} failed (update ok={ok}, loss={loss})")
         losses.append(loss)
@@ -577,8 +742,93 @@ def train(args, mode, rank, batches):
     return {**progress, "param_digests": param_digests, "peak_mb": float(peak), "resumed_from_step": start,
             "start_allocated_bytes": mem0,
             "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": not args.nondeterministic,
+            # the torch optimizer Megatron's optimizer steps: TE's FusedAdam where TE is installed, else Apex's or torch's
+            "optimizer_class": optimizer_class(optimizer),
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
             "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted}
+
+
+def optimizer_class(optimizer):
+    """`module.Class` of the torch optimizer inside Megatron's optimizer (chained, mixed-precision or distributed)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    inner = getattr(inner, "optimizer", inner)
+    return f"{type(inner).__module__}.{type(inner).__qualname__}"
+
+
+class _Mark(torch.autograd.Function):
+    """An identity on the experts' input ("in") or output ("out") that records a CUDA event when its forward runs and
+    when its backward runs: the experts' forward lies between in's and out's forward events, their backward between
+    out's and in's backward events (the autograd engine runs the experts' nodes back to back: every one of them was
+    made after the input mark and before the output mark)."""
+
+    @staticmethod
+    def forward(ctx, x, timer, which):
+        ctx.timer, ctx.which = timer, which
+        timer.record("fwd", which == "in")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.timer.record("bwd", ctx.which == "out")
+        return grad, None, None
+
+
+class ExpertsTimer:
+    """The experts' share of a training step, on the stream: CUDA events where the experts' forward and backward
+    start and end in every MoE layer and micro-batch, against events around the whole step (forward, backward and
+    optimizer step). On one GPU at EP = 1 everything runs on one stream, so the sum of the experts' intervals over
+    the step's interval is the fraction of the step the experts take (host time the GPU waits for inside the experts
+    included). Every experts module of the model gets the marks (`forward` wrapped on the instance), in every mode,
+    so the measure is the same for Megatron's experts and megatron_tma's; off (no marks, no events) outside the
+    measured steps."""
+
+    def __init__(self, models, event=None):
+        self.active, self.events = False, []
+        self.event = event or functools.partial(torch.cuda.Event, enable_timing=True)
+        for model in models:
+            for module in model.modules():
+                experts = getattr(module, "experts", None)
+                if isinstance(experts, torch.nn.Module) and hasattr(module, "token_dispatcher"):  # an MoELayer
+                    experts.forward = self._wrap(experts.forward)
+
+    def _wrap(self, forward):
+        def marked(hidden, tokens_per_expert, *args, **kwargs):
+            if not self.active:
+                return forward(hidden, tokens_per_expert, *args, **kwargs)
+            out, bias = forward(_Mark.apply(hidden, self, "in"), tokens_per_expert, *args, **kwargs)
+            return _Mark.apply(out, self, "out"), bias
+        return marked
+
+    def record(self, phase, begin):
+        event = self.event()
+        event.record()
+        self.events.append((phase, begin, event))
+
+    def start(self, active):
+        self.active, self.events = active, []
+        if active:
+            self.step_start = self.event()
+            self.step_start.record()
+
+    def stop(self):
+        """None when the step was not measured, else a function giving its share (call it after a synchronize)."""
+        if not self.active:
+            return None
+        self.active = False
+        end = self.event()
+        end.record()
+        start, events = self.step_start, self.events
+
+        def share():
+            open_at, total = {}, 0.0
+            for phase, begin, event in events:
+                if begin:
+                    open_at[phase] = event
+                elif phase in open_at:
+                    total += open_at.pop(phase).elapsed_time(event)
+            step = start.elapsed_time(end)
+            return {"experts_ms": total, "step_ms": step, "share": total / step if step > 0 else None}
+        return share
 
 
 def optim_format(args):
@@ -673,8 +923,8 @@ def check_out(out_dir):
 
 def preflight(args):
     """Stop with one line, before any distributed set-up, when a piece the run needs is missing: matplotlib (--plot,
-    --cpu), one process (--cpu); for the GPU job a visible GPU, Python >= 3.12 and megatron-core, megatron_tma's
-    CUDA kernels on this rank's GPU, torchrun."""
+    --cpu), one process (--cpu); for the GPU job a visible GPU, Python >= 3.12, Transformer Engine (--transformer-impl
+    transformer_engine) and megatron-core, megatron_tma's CUDA kernels on this rank's GPU, torchrun."""
     if args.plot or args.cpu:
         try:
             import matplotlib  # noqa: F401
@@ -699,13 +949,22 @@ def preflight(args):
     if sys.version_info[:2] < MEGATRON_PYTHON:
         fail(f"megatron-core 0.19 needs Python >= {'.'.join(map(str, MEGATRON_PYTHON))}, this is "
              f"{sys.version.split()[0]}: run the job with a newer Python (--cpu runs without Megatron)")
+    if args.transformer_impl == "transformer_engine":
+        error = te_import_error()
+        if error is not None:
+            why = (str(error).splitlines() or [""])[0]
+            fail(f"--transformer-impl transformer_engine needs Transformer Engine, which cannot be imported "
+                 f"({type(error).__name__}: {why}): pip install -e '.[te]' on the GPU machine (or "
+                 "scripts/te_device_steps.md), or run with --transformer-impl local")
+        if not args.nondeterministic:  # before TE is imported: its attention reads it (config.deterministic_mode)
+            os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     error = import_megatron()
     if error is not None:
         why = (str(error).splitlines() or [""])[0]
         fail(f"megatron-core cannot be imported ({type(error).__name__}: {why}): pip install "
              "megatron-core==0.19.2 psutil (--cpu runs without it)")
     local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if any(m != "megatron" for m in args.modes) and not cuda_kernels_available(local):
+    if any(m not in MEGATRONS_OWN for m in args.modes) and not cuda_kernels_available(local):
         # the experts would fall back to the torch reference: right bits, ~10x the step time, nothing to compare
         fail(f"megatron_tma's CUDA kernels cannot run here ({extension_error() or 'not an sm_90 GPU'}); "
              "build the extension with the CuTe/CUTLASS headers on the path (nvidia-cutlass) first")
@@ -816,8 +1075,17 @@ def summarize(runs):
         diffs = run.get("experts_diff_vs_megatron")
         if diffs is not None:  # Megatron's own experts against megatron_tma's, same weights and tokens
             row["experts_diff_vs_megatron"] = diffs
-            if not (diffs["bf16"] < 1e-4 and diffs["unpadded"] < 3e-3):
-                failures.append(f"megatron_tma's experts do not compute Megatron's experts' function: {diffs}")
+            # against SequentialMLP (BF16): BF16 at rounding level, FP8 within its noise; against TEGroupedMLP under
+            # TE's FP8 recipe (mode te): both within FP8 noise
+            bf16_limit = 3e-3 if mode == "te" else 1e-4
+            if not (diffs["bf16"] < bf16_limit and diffs["unpadded"] < 3e-3):
+                failures.append(f"megatron_tma's experts do not compute Megatron's experts' function ({mode}): "
+                                f"{diffs}")
+        measured = [m["share"] for m in run.get("experts_share") or [] if m.get("share") is not None]
+        if measured:
+            row["experts_share_of_step"] = sorted(measured)[len(measured) // 2]
+            row["experts_ms_per_step"] = sorted(m["experts_ms"] for m in run["experts_share"])[
+                len(run["experts_share"]) // 2]
         if run.get("eval_loss") is not None:
             row["eval_loss"] = run["eval_loss"]
             row["eval_loss_requantized"] = run["eval_loss_requantized"]
@@ -833,13 +1101,54 @@ def summarize(runs):
                 step = next((i for i, (x, y) in enumerate(zip(losses, ref["losses"])) if x != y), None)
                 failures.append(f"{mode} differs from unpadded (losses equal: {same_loss}, first differing step "
                                 f"{step}; grad norms equal: {same_norm}; parameters equal: {same_params})")
-        for other in ("bf16", "megatron"):  # the BF16 references: megatron_tma's BF16 experts, Megatron's own
+        for other in ("bf16", "megatron", "te"):  # the references: megatron_tma's BF16 experts, Megatron's own
             if other in runs and mode != other:
                 b = runs[other]["losses"]
                 row[f"max_abs_loss_gap_vs_{other}"] = max(abs(x - y) for x, y in zip(losses, b))
                 row[f"final_window_gap_vs_{other}"] = row["final_window_mean_loss"] - sum(b[-tail:]) / tail
         report[mode] = row
     return report, failures
+
+
+# The head-to-head's targets (issue 33): the whole model's tokens/s with megatron_tma's unpadded experts over the same
+# model's with each other experts mode, and its peak memory at or below theirs ("te" only); the mean loss of the last
+# 100 steps within 1% of theirs.
+HEAD_TO_HEAD_TARGETS = {"te": {"speedup": 1.2, "peak_at_or_below": True}, "bf16": {"speedup": 1.1}}
+LOSS_WINDOW, LOSS_TOLERANCE = 100, 0.01
+
+
+def head_to_head(runs, report):
+    """{f"unpadded_vs_{other}": ratios and targets} for `other` in te / bf16 where both ran: speed-up (their median
+    step time over ours: = our tokens/s over theirs, the same tokens per step), peak memory ours / theirs, the last
+    LOSS_WINDOW steps' mean loss, relative gap, and whether each target is met. A measurement: reported, never a
+    failure of the run (the bit-for-bit checks are)."""
+    if "unpadded" not in report:
+        return {}
+    ours, out = report["unpadded"], {}
+    window = lambda m: runs[m]["losses"][-LOSS_WINDOW:]  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for other, targets in HEAD_TO_HEAD_TARGETS.items():
+        if other not in report:
+            continue
+        theirs = report[other]
+        row = {"speedup": theirs["ms_per_step_median"] / ours["ms_per_step_median"],
+               "timed_steps": len(runs["unpadded"]["times"]) - len(runs["unpadded"]["times"]) // 2,
+               "loss_window_steps": len(window("unpadded")),
+               "loss_window_mean": mean(window("unpadded")), f"loss_window_mean_{other}": mean(window(other))}
+        row["loss_window_rel_gap"] = (row["loss_window_mean"] - row[f"loss_window_mean_{other}"]) / row[
+            f"loss_window_mean_{other}"]
+        if ours.get("peak_mb") and theirs.get("peak_mb"):
+            row["peak_ratio"] = ours["peak_mb"] / theirs["peak_mb"]
+        for key in ("experts_share_of_step",):
+            if key in ours and key in theirs:
+                row[key] = {"unpadded": ours[key], other: theirs[key]}
+        met = {"speedup": row["speedup"] >= targets["speedup"],
+               "loss_within_1pct": abs(row["loss_window_rel_gap"]) <= LOSS_TOLERANCE}
+        if targets.get("peak_at_or_below") and "peak_ratio" in row:
+            met["peak_at_or_below"] = row["peak_ratio"] <= 1.0
+        row["targets"] = {"speedup_at_least": targets["speedup"], "met": met}
+        out[f"unpadded_vs_{other}"] = row
+    return out
 
 
 def add_throughput(report, config, world):
@@ -863,14 +1172,16 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "world_size": world,
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare", "same_bits")},
-        "loss_floor": loss_floor, "summary": report, "failures": failures,
+        "loss_floor": loss_floor, "summary": report, "head_to_head": head_to_head(runs, report),
+        "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
                                                                                 run["times"]))],
         "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
                                                  "peak_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
-                                                 "optimizer_steps_counted", "resumed_from_step")}
+                                                 "optimizer_steps_counted", "resumed_from_step",
+                                                 "experts_share", "optimizer_class")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)
@@ -894,7 +1205,8 @@ def save(result, out_dir, stamp):
         fail(f"{out_dir} holds 9999 results of {name}: pass another --out")
     with f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"summary": result["summary"], "failures": result["failures"]}, indent=1))
+    print(json.dumps({"summary": result["summary"], "head_to_head": result.get("head_to_head") or {},
+                      "failures": result["failures"]}, indent=1))
     plot(result, base + ".png")
 
 
@@ -939,7 +1251,8 @@ def compare(paths, out_dir):
               # the runs' own torchrun commands, also through merges of merges
               "merged_from": [m for r in results for m in r.get("merged_from")
                               or [{k: r[k] for k in ("commit", "date", "command")}]],
-              "config": {**first["config"], "modes": list(runs)}, "summary": report, "failures": failures,
+              "config": {**first["config"], "modes": list(runs)}, "summary": report,
+              "head_to_head": head_to_head(runs, report), "failures": failures,
               "rows": [row for r in results for row in r["rows"]],
               "records": {m: r["records"][m] for r in results for m in r["records"]}}
     save(merged, out_dir, stamp)
@@ -982,7 +1295,7 @@ def plot(result, path):
         losses.setdefault(row["mode"], []).append(row["loss"])
     fig, (ax, gap, cost) = plt.subplots(1, 3, figsize=(18, 4.5))
     styles = {"unpadded": ("C0", "-", 2.5), "padded16": ("C1", "--", 1.5), "padded128": ("C3", ":", 1.5),
-              "bf16": ("C2", "-", 1.0), "megatron": ("k", "-", 0.8)}
+              "bf16": ("C2", "-", 1.0), "megatron": ("k", "-", 0.8), "te": ("C4", "-", 1.5)}
     for mode, curve in losses.items():
         color, ls, lw = styles.get(mode, ("k", "-", 1))
         ax.plot(curve, color=color, ls=ls, lw=lw, label=mode)
@@ -1000,7 +1313,7 @@ def plot(result, path):
                 color, ls, lw = styles.get(mode, ("k", "-", 1))
                 gap.plot([x - y for x, y in zip(curve, losses[ref])], color=color, ls=ls, lw=lw, label=mode)
         gap.axhline(0, color="k", lw=0.5)
-        names = {"megatron": "Megatron's own BF16 experts", "bf16": "BF16 experts"}
+        names = {"megatron": "Megatron's own BF16 experts", "bf16": "megatron_tma's BF16 experts"}
         gap.set(xlabel="step", ylabel=f"loss - {ref} loss",
                 title=f"against {names[ref]} (same data, same initial weights)")
         gap.legend()
@@ -1008,12 +1321,18 @@ def plot(result, path):
     ms = [result["summary"][m]["ms_per_step_median"] for m in modes]
     bars = cost.bar(modes, ms, color=[styles.get(m, ("k",))[0] for m in modes])
     for bar, m in zip(bars, modes):
-        peak = result["summary"][m].get("peak_mb")
-        if peak is not None:
-            cost.annotate(f"{peak / 1024:.1f} GB", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        peak, share = result["summary"][m].get("peak_mb"), result["summary"][m].get("experts_share_of_step")
+        label = " ".join(([f"{peak / 1024:.1f} GB"] if peak is not None else [])
+                         + ([f"experts {100 * share:.0f}%"] if share is not None else []))
+        if label:
+            cost.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                           ha="center", va="bottom", fontsize=8)
+    impl = result["config"].get("transformer_impl") or "local"
+    fp8 = result["config"].get("fp8_format")
     cost.set(ylabel="ms per step (median)",
-             title="step time on the CPU" if cpu else "step time (labels: peak GPU memory of the mode)")
+             title="step time on the CPU" if cpu else
+             f"step time ({impl} spec{', TE FP8 ' + str(result['config'].get('fp8_recipe')) if fp8 else ''}; "
+             "labels: peak memory, experts' share)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)

@@ -71,7 +71,12 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         assert run.returncode == 0 and run.stdout.count("the same bits") == 2, (name, run.stdout + run.stderr)
 
 
-@pytest.mark.parametrize("optimizer", ["plain", "distributed", "distributed-fully-reshardable"])
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+TE_FP8 = ("--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
+
+
+@pytest.mark.parametrize("optimizer", ["plain", "distributed", "distributed-fully-reshardable", "plain-te",
+                                       "distributed-te"])
 def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     """Issue 26 item 2: save during training, kill, resume: the resumed run trains the same bits as an uninterrupted
     one, for Megatron's mixed-precision optimizer and for its distributed optimizer in both its checkpoint formats
@@ -81,8 +86,14 @@ def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     that every step's loss and grad norm and every final parameter of unpadded equal padded16's bit for bit is then
     the check that the resumed run equals the uninterrupted one (unpadded == padded16 uninterrupted: every other
     recipe test). One process per run (~1 min each on the H200), so no third, uninterrupted unpadded run."""
+    # -te: with TE's layer spec and FP8 around the experts (issue 33); where TE is installed Megatron's optimizer
+    # steps TE's FusedAdam (in every variant), whose step sits in the param groups: the torch-Adam guards of
+    # megatron_tma.mcore.checkpoint stay off
+    if optimizer.endswith("-te") and not HAVE_TE:
+        pytest.skip("Transformer Engine is not installed")
     opts = {"plain": (), "distributed": ("--distributed-optimizer",),
-            "distributed-fully-reshardable": ("--distributed-optimizer", "--dist-ckpt-optim-fully-reshardable")}
+            "distributed-fully-reshardable": ("--distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"),
+            "plain-te": TE_FP8, "distributed-te": ("--distributed-optimizer", *TE_FP8)}
     common = ("--steps", "10", "--modes", "unpadded", "padded16", *opts[optimizer])
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",

@@ -411,3 +411,160 @@ def test_the_gpu_jobs_resume_checks_the_settings_too(recipe, tmp_path, monkeypat
     del saved["train_args"]
     with pytest.raises(SystemExit, match="holds no record of the settings"):
         recipe.resume(args, "unpadded", None, None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Transformer Engine around the experts (issue 33): the options, the refusals, the one line without TE
+# --------------------------------------------------------------------------------------------------------------
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+TE_FP8 = ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+
+
+def test_transformer_impl_options_are_megatron_lms(recipe):
+    args = recipe.parse_args([])
+    assert args.transformer_impl == "local" and args.fp8_format is None  # the default runs without TE
+    assert args.modes == ["unpadded", "padded16", "padded128", "bf16", "megatron"]
+    args = recipe.parse_args(TE_FP8)
+    assert args.modes == ["unpadded", "padded16", "padded128", "bf16", "te"]  # Megatron's own experts: TEGroupedMLP
+    settings = recipe.model_settings(args)
+    assert settings["transformer_impl"] == "transformer_engine"
+    assert (settings["fp8"], settings["fp8_recipe"]) == ("e4m3", "blockwise")
+    assert settings["deterministic_mode"] is True  # TE's attention, deterministic (bit-for-bit twins)
+    # never Megatron's routing-map padding for FP8: megatron_tma's experts need none, TEGroupedMLP pads itself
+    assert not any("padding" in k for k in settings)
+    assert "fp8" not in recipe.model_settings(recipe.parse_args([]))
+    assert "deterministic_mode" not in recipe.model_settings(recipe.parse_args([*TE_FP8, "--nondeterministic"]))
+    assert recipe.parse_args(["--transformer-impl", "transformer_engine"]).modes == list(recipe.MODES)  # no FP8: no te
+    # the options change what a run trains: a resume checks them; checkpoints saved before them trained the defaults
+    assert {"transformer_impl", "fp8_format", "fp8_recipe", "shared_expert_ffn"} <= set(recipe.training_args(args))
+    old = {k: v for k, v in recipe.training_args(recipe.parse_args([])).items() if k not in recipe.ADDED_OPTIONS}
+    recipe.check_resume(recipe.parse_args([]), {"train_args": old}, "ckpt")  # no SystemExit
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fp8-format", "e4m3"], "--fp8-format: Megatron's FP8 is Transformer Engine's"),
+    (["--modes", "te"], "--modes te is Megatron's TEGroupedMLP"),
+    (["--transformer-impl", "transformer_engine", "--modes", "te"], "--modes te is Megatron's TEGroupedMLP"),
+    ([*TE_FP8, "--modes", "megatron"], "under --transformer-impl transformer_engine Megatron's own experts are"),
+    (["--fp8-format", "hybrid"], "invalid choice"),
+    (["--fp8-recipe", "delayed"], "invalid choice"),
+    (["--experts-share-steps", "-1"], "--experts-share-steps must be >= 0"),
+])
+def test_transformer_impl_refusals(recipe, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_job_refuses_the_transformer_engine_options(recipe, capsys):
+    for option in (TE_FP8, ["--transformer-impl", "transformer_engine"], ["--shared-expert-ffn", "128"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(["--cpu", *option])
+        assert "the GPU job's options" in capsys.readouterr().err
+
+
+def test_dsv3_like_preset_is_a_fine_grained_moe_and_options_override_it(recipe):
+    args = recipe.parse_args(["--preset", "dsv3-like", *TE_FP8, "--modes", "unpadded", "te", "bf16"])
+    assert args.topk >= 4 and args.experts >= 32 and args.expert_ffn < args.hidden  # fine-grained experts
+    assert args.shared_expert_ffn and args.expert_ffn % 128 == 0 and args.steps >= 300
+    assert args.steps - args.steps // 2 >= 50  # timed steps after warm-up (the second half)
+    assert recipe.parse_args(["--preset", "dsv3-like", "--hidden", "1024"]).hidden == 1024
+    assert recipe.bad_sizes(args) is None
+
+
+def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_job, "te_import_error",
+                        lambda: ModuleNotFoundError("No module named 'transformer_engine'"))
+    _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8],
+              "--transformer-impl transformer_engine needs Transformer Engine, which cannot be imported "
+              "(ModuleNotFoundError: No module named 'transformer_engine')")
+    # the local spec never asks for TE
+    with pytest.raises(AssertionError, match="distributed set-up was reached"):
+        gpu_job.main(["--out", str(tmp_path)])
+
+
+@pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here")
+def test_transformer_engine_really_missing(gpu_job, tmp_path):
+    assert gpu_job.te_import_error() is not None
+    _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8], "needs Transformer Engine")
+
+
+def test_head_to_head_ratios_and_targets(recipe):
+    def run(ms, peak, loss):
+        return {"losses": [loss] * 120, "grad_norms": [1.0] * 120, "times": [ms] * 120,
+                "init_digests": [{}], "param_digests": [{}], "peak_mb": peak,
+                "experts_share": [{"experts_ms": 0.4 * ms, "step_ms": ms, "share": 0.4}] * 3}
+    runs = {"unpadded": run(100.0, 900.0, 3.00), "te": run(125.0, 1000.0, 3.02), "bf16": run(105.0, 950.0, 2.90)}
+    report, failures = recipe.summarize(runs)
+    assert failures == [] and report["unpadded"]["experts_share_of_step"] == 0.4
+    h2h = recipe.head_to_head(runs, report)
+    te, bf16 = h2h["unpadded_vs_te"], h2h["unpadded_vs_bf16"]
+    assert te["speedup"] == pytest.approx(1.25) and te["peak_ratio"] == pytest.approx(0.9)
+    assert te["timed_steps"] == 60 and te["loss_window_steps"] == 100
+    assert te["targets"]["met"] == {"speedup": True, "loss_within_1pct": True, "peak_at_or_below": True}
+    assert bf16["targets"]["met"] == {"speedup": False, "loss_within_1pct": False}  # x1.05; 3.4% off
+    assert recipe.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
+
+
+class _ClockEvent:
+    """A stand-in for torch.cuda.Event on the CPU: `record()` takes the next tick of a shared clock; elapsed_time is
+    the ticks between two events."""
+    clock = 0
+
+    def record(self):
+        _ClockEvent.clock += 1
+        self.t = _ClockEvent.clock
+
+    def elapsed_time(self, other):
+        return float(other.t - self.t)
+
+
+def test_experts_timer_marks_the_experts_forward_and_backward(recipe):
+    """The experts' share: marks on the experts' input and output in every MoE layer (a module with `experts` and a
+    `token_dispatcher`, as Megatron's MoELayer) record events in forward (in, out) and backward (out, in); the
+    intervals between them are the experts' time. Off, the wrapped forward is the experts' own (no marks); on, the
+    outputs and gradients are unchanged."""
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x, tokens_per_expert, probs=None):
+            return x @ self.w * probs.unsqueeze(-1), None
+
+    class MoELayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts, self.token_dispatcher, self.pre = Experts(), object(), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.pre(x)
+            out, _ = self.experts(h, torch.tensor([x.shape[0]]), torch.ones(x.shape[0]))
+            return out.tanh()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MoELayer(), MoELayer())
+    x = torch.randn(5, 8)
+    plain_out = model(x)
+    plain_out.sum().backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    timer = recipe.ExpertsTimer([model], event=_ClockEvent)
+    for p in model.parameters():
+        p.grad = None
+    timer.start(False)
+    assert timer.stop() is None and timer.events == []
+    timer.start(True)
+    out = model(x)
+    out.sum().backward()
+    share = timer.stop()
+    assert torch.equal(out, plain_out)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads))
+    # two layers: forward in, out, in, out; backward (last layer first) out, in, out, in
+    assert [(phase, begin) for phase, begin, _ in timer.events] == [
+        ("fwd", True), ("fwd", False), ("fwd", True), ("fwd", False),
+        ("bwd", True), ("bwd", False), ("bwd", True), ("bwd", False)]
+    measured = share()
+    assert measured["experts_ms"] == 4.0 and measured["step_ms"] == 9.0  # 4 intervals of 1 tick, 8 events + 1
+    assert measured["share"] == pytest.approx(4 / 9)

@@ -295,6 +295,14 @@ def _ignored_settings(config, mode: str):
         # these experts exist to remove, paid in routed tokens and GEMM work instead of copies
         yield ("config.moe_router_padding_for_quantization pads every expert's tokens for FP8; megatron_tma's "
                "experts need no padding: turn it off")
+    if mode != "bf16" and _dispatcher_pads_for_quantization(config):
+        # megatron-core 0.19.2's flex dispatcher with HybridEP or NCCL-EP packs every expert's received tokens to
+        # get_align_size_for_quantization(config) rows (16 / 32 for FP8, 256 with TE's op fuser) whenever fp8 or
+        # fp4 is set (token_dispatcher.py: _HybridEPManager.dispatch's pad_multiple, _NCCLEPManager's alignment)
+        yield (f"config.moe_flex_dispatcher_backend={config.moe_flex_dispatcher_backend!r} with config.fp8 set pads "
+               "every expert's tokens to the FP8 alignment in the dispatcher; megatron_tma's experts need no "
+               "padding and compute the padded rows as tokens (right results, wasted work): use the alltoall "
+               "dispatcher")
     if mode == "bf16" and _recomputes_activation(config):
         yield ("config.recompute_modules has 'moe_act', which megatron_tma's BF16 experts do not implement (its FP8 "
                "experts do): they keep the activation output for backward")
@@ -308,6 +316,14 @@ def _ignored_settings(config, mode: str):
                "which is untested end to end in Megatron: a captured forward quantizes the weights inside the graph "
                "(every replay re-quantizes them, as the first micro-batch of a step does), since the host-side "
                "checks that otherwise decide when to re-quantize do not run at replay")
+
+
+def _dispatcher_pads_for_quantization(config) -> bool:
+    """Megatron's token dispatcher pads every expert's tokens for FP8 / FP4 on its own (not only when asked with
+    moe_router_padding_for_quantization): the flex dispatcher with HybridEP or NCCL-EP under fp8 / fp4."""
+    return (bool(getattr(config, "fp8", None) or getattr(config, "fp4", None))
+            and getattr(config, "moe_token_dispatcher_type", None) == "flex"
+            and getattr(config, "moe_flex_dispatcher_backend", None) in ("hybridep", "ncclep"))
 
 
 def _graphs_capture_experts(config) -> bool:

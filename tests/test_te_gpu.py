@@ -1,0 +1,114 @@
+"""Transformer Engine and megatron_tma on the H200 (issue 33). Skipped without TE (an optional extra: `pip install -e
+".[te]"`, or scripts/te_device_steps.md on the device machine), without a Hopper GPU and the built extension, and
+(the recipe tests) without megatron-core.
+* Our FP8 experts inside TE's FP8 context (`te.autocast` / Megatron's `fp8_autocast` with Float8BlockScaling) compute
+  the same bits, forward and backward, as outside it: they quantize themselves and are no TE modules, so TE's
+  autocast neither quantizes them again nor gives them scaling state.
+* The recipe with `--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe blockwise`: every mode from
+  the same weights, unpadded == padded16 == padded128 bit for bit with TE's FP8 dense layers around them, our
+  experts computing TEGroupedMLP's function, Megatron's optimizer on TE's FusedAdam, the experts' share measured."""
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_tma import _ext
+
+te = pytest.importorskip("transformer_engine.pytorch")
+from transformer_engine.common.recipe import Float8BlockScaling  # noqa: E402
+
+from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
+TE_FP8 = ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+SMALL = ["--layers", "2", "--hidden", "256", "--heads", "4", "--experts", "8", "--expert-ffn", "256",
+         "--seq-len", "128", "--micro-batch-size", "4", "--lr", "2e-3", "--log-every", "4", "--topk", "4",
+         "--shared-expert-ffn", "256"]
+
+
+def te_fp8_contexts():
+    """TE's FP8 contexts with DeepSeek-V3's recipe: `te.autocast` (TE 2.x) and `fp8_autocast` (what megatron-core
+    0.19.2's get_fp8_context enters), where this TE has them."""
+    contexts = []
+    if hasattr(te, "autocast"):
+        contexts.append(("autocast", lambda: te.autocast(enabled=True, recipe=Float8BlockScaling())))
+    if hasattr(te, "fp8_autocast"):
+        contexts.append(("fp8_autocast", lambda: te.fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling())))
+    return contexts
+
+
+def _step(module, x, sizes, probs):
+    for p in module.parameters():
+        p.grad = None
+    if isinstance(module, GroupedFP8MLP):
+        module.invalidate_weight_cache()  # quantize the weights again in this call (inside or outside the context)
+    x = x.detach().requires_grad_()
+    out, _ = module(x, sizes, probs)
+    out.float().square().mean().backward()
+    return [out.detach(), x.grad] + [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("cls", [GroupedFP8MLP, GroupedBF16MLP])
+@pytest.mark.parametrize("pad_to", [None, 16])
+def test_our_experts_compute_the_same_bits_inside_tes_fp8_context(cls, pad_to):
+    ok, why = te.is_fp8_block_scaling_available(return_reason=True)
+    if not ok:
+        pytest.skip(f"TE's FP8 block scaling is not available: {why}")
+    torch.manual_seed(0)
+    kw = {"pad_to": pad_to} if cls is GroupedFP8MLP else {}
+    if cls is GroupedBF16MLP and pad_to:
+        pytest.skip("no padded BF16 twin")
+    module = cls(8, 512, 256, device="cuda", **kw)
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    assert not any(isinstance(m, TransformerEngineBaseModule) for m in module.modules())  # nothing TE would scale
+    sizes = torch.tensor([300, 0, 17, 128, 1, 250, 64, 5], device="cuda")
+    x = torch.randn(int(sizes.sum()), 512, device="cuda").bfloat16()
+    probs = torch.rand(x.shape[0], device="cuda")
+    outside = _step(module, x, sizes, probs)
+    contexts = te_fp8_contexts()
+    assert contexts, "this TE has neither te.autocast nor te.fp8_autocast"
+    for name, context in contexts:
+        with context():
+            inside = _step(module, x, sizes, probs)
+        for i, (a, b) in enumerate(zip(outside, inside)):
+            assert torch.equal(a, b), (name, i)
+
+
+def _recipe(tmp_path, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path), *args]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"recipe failed (rc {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    (path,) = glob.glob(str(tmp_path / "moe_gpt-*.json"))
+    result = json.load(open(path))
+    assert result["failures"] == []
+    return result
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_recipe_with_transformer_engine_fp8_around_every_mode(tmp_path):
+    steps = 8
+    result = _recipe(tmp_path, *TE_FP8, "--steps", str(steps), "--experts-share-steps", "4",
+                     "--modes", "unpadded", "padded16", "padded128", "bf16", "te")
+    summary, records = result["summary"], result["records"]
+    assert all(row["same_initial_weights"] for row in summary.values())  # te's TEGroupedMLP redrawn as ours
+    for mode in ("padded16", "padded128"):  # the TE layers are the same in every mode: the twins stay bit for bit
+        assert summary[mode]["bitexact_losses"] and summary[mode]["bitexact_grad_norms"], mode
+        assert summary[mode]["bitexact_params"], mode
+    diffs = summary["te"]["experts_diff_vs_megatron"]  # ours against TEGroupedMLP (TE FP8 blockwise), same weights
+    assert 0 < diffs["unpadded"] < 3e-3 and 0 < diffs["bf16"] < 3e-3, diffs
+    for mode, record in records.items():  # Megatron's default optimizer when TE is installed
+        assert "transformer_engine" in record["optimizer_class"] and "FusedAdam" in record["optimizer_class"], record
+        assert record["optimizer_steps_counted"] >= steps or mode in ("te", "bf16")  # our FP8 experts' signal
+        assert all("eval_loss" in summary[m] for m in summary)
+    for mode in summary:
+        share = summary[mode]["experts_share_of_step"]
+        assert 0 < share < 1, (mode, share)
+    assert set(result["head_to_head"]) == {"unpadded_vs_te", "unpadded_vs_bf16"}
