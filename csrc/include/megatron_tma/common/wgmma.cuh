@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <utility>
 #include <cute/arch/mma_sm90_gmma.hpp>
-#include <cute/arch/mma_sm90_gmma_ext.hpp>
 
 namespace megatron_tma {
 
@@ -45,10 +44,6 @@ struct WgmmaFp8Op;
 template <>
 struct WgmmaFp8Op<128> {
   using type = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct WgmmaFp8Op<160> {
-  using type = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>;
 };
 template <>
 struct WgmmaFp8Op<192> {

@@ -62,18 +62,12 @@ template <KGroupedOut kOut_>
 struct KGroupedGemmConfig {
   static constexpr KGroupedOut kOut = kOut_;
   static constexpr bool kF32 = kOut != KGroupedOut::kBf16, kAccumulate = kOut == KGroupedOut::kF32Accumulate;
-  // BLOCK_M x BLOCK_N output rows (N) x columns (K), BLOCK_K tokens per block. (Lab variants: the FP32 tile
-  // width and a single-fragment mainloop, MEGATRON_TMA_KG_BLOCK_N / MEGATRON_TMA_KG_ONE_FRAGMENT.)
-#ifndef MEGATRON_TMA_KG_BLOCK_N
-#define MEGATRON_TMA_KG_BLOCK_N 128
-#endif
-#ifndef MEGATRON_TMA_KG_ONE_FRAGMENT
-#define MEGATRON_TMA_KG_ONE_FRAGMENT 0
-#endif
-  static constexpr int BLOCK_M = 128, BLOCK_N = kF32 ? MEGATRON_TMA_KG_BLOCK_N : 128, BLOCK_K = 128;
-  static constexpr bool kOneFragment = MEGATRON_TMA_KG_ONE_FRAGMENT;
-  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory (two for wider tiles).
-  static constexpr int STAGES = kF32 ? (BLOCK_N == 128 ? 4 : 3) : 5;
+  // BLOCK_M x BLOCK_N output rows (N) x columns (K), BLOCK_K tokens per block. (Measured against DeepGEMM's
+  // choice, 160 columns with one fragment and 3 stages: 4-14% slower on groups of >= 2048 tokens;
+  // benchmarks/NOTES.md.)
+  static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
+  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory.
+  static constexpr int STAGES = kF32 ? 4 : 5;
   static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int kProducerRegs = 24, kMathRegs = 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
@@ -198,43 +192,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = 0.f;
       if (blocks > 0) {
-        if constexpr (Cfg::kOneFragment) {
-          // DeepGEMM's order: each block waited for alone; the other warpgroup keeps the tensor cores busy.
-          for (int j = 0; j < blocks; ++j) {
-            pipe.consumer_wait(st);
-            issue(part0, st);
-            wgmma_wait<0>();
-            fence_regs(part0);
-            pipe.consumer_release(st, lane);
-            promote(part0, slot);
-            st.advance();
-            slot = next_slot(slot);
-          }
-        } else {
-          pipe.consumer_wait(st);
-          issue(part0, st);
-          auto step = [&](int, float(&cur)[R], float(&nxt)[R]) {
-            PipelineState<Cfg::STAGES> next = st;
-            next.advance();
-            pipe.consumer_wait(next);
-            issue(nxt, next);
-            wgmma_wait<1>();  // block j is complete; j+1 may still run
-            fence_regs(cur);
-            pipe.consumer_release(st, lane);  // its operands are read; its scales stay in their ring slot
-            promote(cur, slot);
-            st.advance();
-            slot = next_slot(slot);
-          };
-          auto last = [&](float(&cur)[R]) {
-            wgmma_wait<0>();
-            fence_regs(cur);
-            pipe.consumer_release(st, lane);
-            promote(cur, slot);
-            st.advance();
-            slot = next_slot(slot);
-          };
-          two_fragment_pipeline(blocks, part0, part1, step, last);
-        }
+        pipe.consumer_wait(st);
+        issue(part0, st);
+        auto step = [&](int, float(&cur)[R], float(&nxt)[R]) {
+          PipelineState<Cfg::STAGES> next = st;
+          next.advance();
+          pipe.consumer_wait(next);
+          issue(nxt, next);
+          wgmma_wait<1>();  // block j is complete; j+1 may still run
+          fence_regs(cur);
+          pipe.consumer_release(st, lane);  // its operands are read; its scales stay in their ring slot
+          promote(cur, slot);
+          st.advance();
+          slot = next_slot(slot);
+        };
+        auto last = [&](float(&cur)[R]) {
+          wgmma_wait<0>();
+          fence_regs(cur);
+          pipe.consumer_release(st, lane);
+          promote(cur, slot);
+          st.advance();
+          slot = next_slot(slot);
+        };
+        two_fragment_pipeline(blocks, part0, part1, step, last);
       }
 
       // The tile again (shared-memory reads): holding its fields through the contraction would cost registers.
