@@ -5,8 +5,8 @@ megatron_tma.reference on the same input. Writes benchmarks/results/quant-<stamp
     python benchmarks/bench_quant.py [--quick] [--iters N] [--out DIR]
 
 tbps = (bytes read + bytes written, padding and scales included) / median time; copy_ratio = tbps / copy_tbps.
-The column quantizers write the whole wgrad operand qt [K, P], P = round_up(M, 16) + 16 G (docs/design.md §4: every
-group starts at a multiple of 16 tokens, the columns between groups and the tail are written as zeros).
+The column quantizers write the whole wgrad operand qt [K, P], P = round_up(M, 128) + 128 G (docs/design.md §4: every
+group starts at a multiple of 128 tokens, the columns between groups and the tail are written as zeros).
 """
 import argparse
 import os

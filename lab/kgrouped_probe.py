@@ -1,4 +1,4 @@
-"""Lab probe (not part of the product): the K-grouped kernel on the 16-aligned wgrad layout, driven through the op
+"""Lab probe (not part of the product): the K-grouped kernel on the 128-aligned wgrad layout, driven through the op
 directly with operands built in torch (independent of the quantizers and the reference). Checks bits against the
 128-padded layout (same op), FP32 / BF16 / accumulate, an element-offset main_grad, an fp64 accuracy check, then
 times the kernel against a dense FP8 cuBLAS GEMM of the same FLOPs (ratios in one run).
@@ -63,13 +63,13 @@ def case(sizes, N, K, seed=0, check64=False):
     G, M = len(sizes), sum(sizes)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     MB = M // 128 + G
-    s16, P16 = layout(sizes, 16)
-    P = -(-M // 16) * 16 + 16 * G
+    s16, _ = layout(sizes, 128)  # the group starts of the operands (docs/design.md §4: 128-token starts)
+    P = -(-M // 128) * 128 + 128 * G
     dy, dys = operands(sizes, N, gen, s16, P, MB)
     x, xs = operands(sizes, K, gen, s16, P, MB)
     s128, P128 = layout(sizes, 128)
     Mp = P128
-    Pp = Mp + 16 * G
+    Pp = Mp + 128 * G
     MBp = Mp // 128 + G
     dyp, xp = regather(dy, sizes, s16, s128, Pp), regather(x, sizes, s16, s128, Pp)
     dysp = torch.zeros(MBp, N, device="cuda"); dysp[:MB] = dys
@@ -138,8 +138,8 @@ def timing(shapes, iters):
             M = sum(sizes)
             gen = torch.Generator(device="cuda").manual_seed(1)
             MB = M // 128 + G
-            s16, _ = layout(sizes, 16)
-            P = -(-M // 16) * 16 + 16 * G
+            s16, _ = layout(sizes, 128)
+            P = -(-M // 128) * 128 + 128 * G
             dy, dys = operands(sizes, N, gen, s16, P, MB)
             x, xs = operands(sizes, K, gen, s16, P, MB)
             g = torch.tensor(sizes, dtype=torch.int32, device="cuda")

@@ -35,9 +35,9 @@ def _fake_ops():
 
     def k_grouped_out(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate=False, *rest):
         # The op writes `out` in place. Its operands are the quantizer fakes' wgrad columns, dy_t [N, P] and
-        # x_t [K, P] with the same P (docs/design.md §4: P = round_up(M, 16) + 16 G once the 16-aligned quantizer is
-        # in), and out is [G, N, K] with G <= the scales' rows: checked on the first call only, so that the
-        # timed steps carry no work the real op's Python side does not do.
+        # x_t [K, P] with the same P (docs/design.md §4: P = round_up(M, 128) + 128 G), and out is [G, N, K] with
+        # G <= the scales' rows: checked on the first call only, so that the timed steps carry no work the real
+        # op's Python side does not do.
         if not checked:
             n, p = dy_t.shape
             k, p2 = x_t.shape

@@ -1,7 +1,7 @@
 """Run each grouped GEMM a few times on one shape, for `ncu` to profile (see benchmarks/NOTES.md for the command
 and what its sections showed). Default: G=8, M=16384, N=K=4096, paper sizes, wgrad accumulating into FP32. The
 wgrad operands are the quantizer's [N, P] / [K, P] columns, groups starting at multiples of 16 tokens
-(docs/design.md §4, P = round_up(M, 16) + 16 G); their shapes are printed at the end.
+(docs/design.md §4, P = round_up(M, 128) + 128 G); their shapes are printed at the end.
 
     python lab/profile_gemms.py [--G 32 --M 8192 --N 4096 --K 7168] [--wgrad-out bf16|none] [--block-m 192]
 """

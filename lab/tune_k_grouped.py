@@ -5,7 +5,7 @@ epilogue), `fp32+=r` into one 8 bytes off (register epilogue): the A/B of the tw
 and the roofline ratio of issue 4 (bench_k_grouped.roofline_ms: BF16 written, or FP32 read + written; ceilings
 measured in the same process); `same` says that repeated calls give the same bits (and, for fp32+=r, the TMA
 epilogue's bits). The operands are the quantizer's [K, P] / [N, P] columns, every group starting at a multiple
-of 16 tokens (docs/design.md §4; P = round_up(M, 16) + 16 G, checked here). A quick look between full benchmark runs;
+of 128 tokens (docs/design.md §4; P = round_up(M, 128) + 128 G, checked here). A quick look between full benchmark runs;
 writes nothing.
 
     python lab/tune_k_grouped.py [--iters 15] [--quick]

@@ -3,7 +3,7 @@
 The grouped quantizers hand each CTA runs of consecutive 128-token blocks; the launcher picks the run length
 (min(8, tiles / (4 x resident CTAs))). MEGATRON_TMA_QUANT_RUN, read on every call, overrides it; this script
 times each length on a few shapes, for two kinds of input: plain Gaussian rows, and the benchmark's rows
-with per-row magnitudes 2^-8..2^8 (bench_quant.py); qt is [K, P], P = round_up(M, 16) + 16 G. Same timing protocol as the benchmarks (CUDA events, L2 flushed,
+with per-row magnitudes 2^-8..2^8 (bench_quant.py); qt is [K, P], P = round_up(M, 128) + 128 G. Same timing protocol as the benchmarks (CUDA events, L2 flushed,
 median). Prints TB/s of bytes read + written (the whole qt written); writes nothing.
 
     python lab/tune_quant_run.py [--runs 0,1,2,4,8,16] [--iters 20]      (run 0: the launcher's choice)
