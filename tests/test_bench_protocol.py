@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import pytest
+from _fake_timer import recording_timer
 
 _spec = importlib.util.spec_from_file_location(
     "bench_common", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "common.py"))
@@ -245,18 +246,7 @@ def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
     reused for the next distribution of the same shape."""
     calls = {}
 
-    def fake_bench(fns, iters=25, warmup=5):
-        out = {}
-        for i, (name, fn) in enumerate(fns.items()):
-            try:
-                fn()
-                out[name] = 1.0 + 0.5 * i
-            except Exception as e:  # noqa: BLE001 - as common._warm_up: a baseline that cannot run is recorded
-                out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            calls[name] = calls.get(name, 0) + 1
-        return out
-
-    monkeypatch.setattr(bkg.common, "bench_interleaved", fake_bench)
+    monkeypatch.setattr(bkg.common, "bench_interleaved", recording_timer(calls))
     configs = [((5, 700, 32, 48), dist), ((5, 700, 32, 48), "balanced")]
     plan = bkg.timing_plan(configs)
     cache = {}

@@ -15,6 +15,7 @@ from megatron_tma.padding import pad_rows_fp8
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import deepgemm_baseline as dgb  # noqa: E402
+from _fake_timer import recording_timer  # noqa: E402
 
 SIZES = [[0, 1, 127, 128, 129], [129, 0, 128, 1, 0, 127, 0], [1], [0], [300], [0, 0, 256, 5]]
 
@@ -277,18 +278,7 @@ def test_bench_k_grouped_deepgemm_column_dry_run(monkeypatch, corrupt):
     bkg = _load_bench_k_grouped()
     timed = {}
 
-    def fake_bench(fns, iters=25, warmup=5):
-        out = {}
-        for i, (name, fn) in enumerate(fns.items()):
-            try:
-                fn()
-                out[name] = 1.0 + 0.5 * i
-            except Exception as e:  # noqa: BLE001 - as common._warm_up: a baseline that cannot run is recorded
-                out[name] = f"{type(e).__name__}: {e}"
-            timed[name] = timed.get(name, 0) + 1
-        return out
-
-    monkeypatch.setattr(bkg.common, "bench_interleaved", fake_bench)
+    monkeypatch.setattr(bkg.common, "bench_interleaved", recording_timer(timed))
     cfg = ((5, 700, 32, 48), "with_empty")
     names = bkg.timing_plan([cfg], deepgemm=True)[0]
     assert "deepgemm@fp32_acc" in names and "deepgemm@bf16" not in names
