@@ -5,7 +5,7 @@
 * ``quantize_128x128``: weights, one scale per 128x128 block, plus the transposed copy (same bytes,
   transposed scales) that dgrad multiplies with.
 * ``quantize_grouped_128x1``: wgrad operands, token-contiguous ``qt [K, P]`` (every group starting on a
-  16-column boundary, zeros between groups and after the last) with one scale per column per 128-token
+  128-column boundary, zeros between groups and after the last) with one scale per column per 128-token
   block of each group (blocks start at a group's first row).
 * ``quantize_1x128_and_grouped_128x1``: the first and the third from one read of x (the backward needs
   dY in both forms, the forward can keep X^T for wgrad): the same outputs, a third less memory traffic.

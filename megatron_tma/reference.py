@@ -207,7 +207,7 @@ def quantize_grouped_128x1(
     Blocks start at each group's first row (they never mix groups; a group's last block may be
     partial; empty groups own none). ``qt`` is e4m3 [K, P], contiguous, P = round_up(M, 128) + 128 G
     (``groups.wgrad_pitch``): group g's tokens sit at columns [a_g, a_g + M_g), a_g = sum_{h<g}
-    round_up(M_h, 128), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 15
+    round_up(M_h, 128), ``qt[k, a_g + t] = q(x[o_g + t, k])``; every other column is zero (the <= 127
     between groups and the tail [a_G, P)). ``s`` is FP32 [M//128 + G, K]: row B_g + j holds block j of
     group g, rows past the last used block are 0. M == 0 gives zeros [K, 128 G] and [G, K].
     ``groups``: sizes [G], or offsets [G+1] with ``num_groups`` = G (see groups.check_groups), or a ``Groups``.

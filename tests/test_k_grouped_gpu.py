@@ -136,7 +136,7 @@ def test_bf16_output_is_rounded_fp32(sizes, n, k, offset):
 ])
 def test_fp32_tma_and_register_epilogues_agree(sizes, n, k):
     """A 16-byte aligned FP32 out takes the shared-memory + TMA epilogue (a TMA reduce-add when accumulating);
-    an out 8 bytes past that takes the register path. Both compute __fadd_rn(c, acc) per element: the same bits,
+    an out 8 bytes past that takes the register path. Both compute c + acc, one FP32 add per element: the same bits,
     with and without accumulate, and nothing written outside out."""
     x, dy = _operands(sizes, n, k, 11)
     args = _quantized(x, dy, sizes)
@@ -160,6 +160,30 @@ def test_fp32_tma_and_register_epilogues_agree(sizes, n, k):
     empty = (sizes == 0).nonzero().flatten().tolist()
     for e in empty:  # an empty group leaves C unchanged when accumulating
         assert torch.equal(acc_tma[e], c[e])
+
+
+def test_accumulate_keeps_subnormal_c():
+    """D = C + acc where C is subnormal (|C| < 2^-126) and acc is exactly 0 (dY rows of zeros): the contract's one
+    FP32 add gives C back, bit for bit, on the TMA reduce-add epilogue (aligned out) as on the register one (an out
+    8 bytes off) and the reference. A reduce-add that flushed subnormal inputs would give +-0 here. (Written after
+    the reduce-add epilogue went in, from a review: whether its FP32 add flushes subnormals was not measured.)"""
+    sizes = torch.tensor([130, 0, 200])
+    n, k = 256, 128
+    x, dy = _operands(sizes, n, k, 21)
+    dy[:, : n // 2] = 0  # rows 0..127 of every dW_g are exactly 0
+    args = _quantized(x, dy, sizes)
+    g = len(sizes)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    c = torch.randn(g, n, k, generator=gen, device=DEV) * 2.0 ** -130  # subnormal FP32 (and some normal tails)
+    assert (c[:, : n // 2].abs() < 2.0 ** -126).float().mean() > 0.9
+    want = R.k_grouped_fp8_gemm(*(a.cpu() for a in args[:4]), sizes, out=c.cpu().clone(), accumulate=True)
+    for offset in (0, 2):  # floats: the TMA reduce-add, then the register epilogue
+        storage = torch.zeros(g * n * k + 8, device=DEV)
+        out = storage[offset:][: g * n * k].view(g, n, k)
+        out.copy_(c)
+        k_grouped_fp8_gemm(*args, out=out, accumulate=True)
+        assert torch.equal(out[:, : n // 2], c[:, : n // 2]), f"offset {offset}: subnormal C not kept"
+        assert torch.equal(out.cpu(), want)
 
 
 def test_repeatable_and_offsets_equal_sizes():

@@ -220,8 +220,8 @@ def test_grouped_every_group_format(gen, fmt):
     run_grouped(special_rows(sum(sizes), 144, gen, torch.bfloat16), sizes, fmt)
 
 
-# Group sizes around a 16-column chunk and a 128-token block: the gaps after the groups are 15, 1, 0, 15, 1, 0, 15,
-# ... columns, empty groups take none (also first and last), and several groups share one 128-byte line of a row.
+# Group sizes around a 16-column chunk and a 128-token block: the gaps after the groups are 127, 113, 112, 111, 1,
+# 0, 127, 1, 0, 127, 125 columns, and empty groups take none (also first and last).
 PLACEMENT_SIZES = [0, 1, 15, 16, 17, 127, 128, 129, 0, 255, 256, 257, 3, 0]
 
 
@@ -348,7 +348,7 @@ def test_nan_inf_policy(pow2):
     for o, r in zip(quantize_128x128(x[:288].view(2, 144, 256), pow2, backend="cuda"),
                     R.quantize_128x128(x[:288].view(2, 144, 256), pow2)):
         (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
-    # group 0 (3 rows) has NaN and Inf blocks: its 13 gap columns must still be zero bytes, not q(0 * NaN)
+    # group 0 (3 rows) has NaN and Inf blocks: its 125 gap columns must still be zero bytes, not q(0 * NaN)
     run_grouped(x, [3, 150, 147], pow2=pow2)
     run_fused(x, [3, 150, 147], pow2=pow2)
 

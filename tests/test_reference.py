@@ -682,8 +682,9 @@ def test_k_grouped_padded_equals_unpadded(gen, align, name):
 
 
 def test_k_grouped_reads_only_each_groups_columns(gen):
-    """Bytes in the gaps and the tail of qt are never read: poisoning them (NaN) changes nothing. (The quantizers
-    write them as zero; this pins that the GEMM contracts over [a_g, a_g + M_g) only.)"""
+    """The reference contracts over [a_g, a_g + M_g) only: poisoning the gaps and the tail of qt (NaN) changes
+    nothing. (The CUDA kernel reads a partial last block whole and relies on the quantizer's zero gaps, which give
+    the same exact zero products; docs/layouts.md.)"""
     sizes = torch.tensor(WGRAD_GROUPINGS["mixed"])
     _, _, (dy_t, dy_s), (x_t, x_s) = _k_problem(gen, sizes)
     dw = R.k_grouped_fp8_gemm(dy_t, dy_s, x_t, x_s, sizes)

@@ -106,7 +106,9 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                : "memory");
 }
 
-// D += the tile, element by element in L2 (FP32 add, round to nearest): the accumulate epilogue without loading C.
+// D += the tile, element by element in L2 (one FP32 add per element, the instruction DeepGEMM's wgrad epilogue uses):
+// the accumulate epilogue without loading C. tests/test_k_grouped_gpu.py::test_accumulate_keeps_subnormal_c holds
+// it to the register path's and the reference's add on subnormal C.
 __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2) {
   asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),

@@ -11,7 +11,7 @@ namespace megatron_tma {
 struct KTile {
   int group;
   int n_block, k_block;
-  int token_start;  // a_g: the group's first column (a multiple of 16)
+  int token_start;  // a_g: the group's first column (a multiple of 128)
   int tokens;       // M_g (0 for an empty group)
   int block_base;   // B_g: index of the group's first token block in the scale tensors
 };
