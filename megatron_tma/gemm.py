@@ -219,8 +219,9 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         check_aligned16(dy_t, "dy_t", "TMA loads it")
         check_aligned16(x_t, "x_t", "TMA loads it")
     if groups.tensor.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
-        check_wgrad_columns(groups.tensor, groups.is_offsets, p, mb)
-        check_wgrad_tokens(groups.tensor, groups.is_offsets, p, mb)
+        host = groups.tensor.detach().cpu()  # one read for both rules
+        check_wgrad_columns(host, groups.is_offsets, p, mb)
+        check_wgrad_tokens(host, groups.is_offsets, p, mb)
     return groups, device, n, k
 
 
