@@ -717,8 +717,9 @@ def train(args, mode, rank, batches):
             shares.append(share())
         if not ok or not math.isfinite(loss):
             raise RuntimeError(f"{mode}: step {step} failed (update ok={ok}, loss={loss})")
+        grad_norm = float(grad_norm)  # a tensor under TE's FusedAdam, a float under torch's Adam
         losses.append(loss)
-        grad_norms.append(float(grad_norm))
+        grad_norms.append(grad_norm)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)

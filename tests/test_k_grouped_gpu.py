@@ -162,11 +162,11 @@ def test_fp32_tma_and_register_epilogues_agree(sizes, n, k):
         assert torch.equal(acc_tma[e], c[e])
 
 
-def test_accumulate_keeps_subnormal_c():
-    """D = C + acc where C is subnormal (|C| < 2^-126) and acc is exactly 0 (dY rows of zeros): the contract's one
-    FP32 add gives C back, bit for bit, on the TMA reduce-add epilogue (aligned out) as on the register one (an out
-    8 bytes off) and the reference. A reduce-add that flushed subnormal inputs would give +-0 here. (Written after
-    the reduce-add epilogue went in, from a review: whether its FP32 add flushes subnormals was not measured.)"""
+def test_accumulate_flushes_subnormals():
+    """D = C + acc is the TMA reduce-add's FP32 add (docs/layouts.md): rounded to nearest, subnormal inputs and
+    results flushed to sign-preserving zero. C subnormal (|C| < 2^-126) and acc exactly +0 (dY rows of zeros) gives
+    +0 (C flushed, then -0 + 0 = +0), on the TMA reduce-add epilogue (aligned out) as on the register one (an out 8 bytes off), and
+    both equal the reference bit for bit (whose flush the CPU tests hold)."""
     sizes = torch.tensor([130, 0, 200])
     n, k = 256, 128
     x, dy = _operands(sizes, n, k, 21)
@@ -175,15 +175,20 @@ def test_accumulate_keeps_subnormal_c():
     g = len(sizes)
     gen = torch.Generator(device=DEV).manual_seed(5)
     c = torch.randn(g, n, k, generator=gen, device=DEV) * 2.0 ** -130  # subnormal FP32 (and some normal tails)
-    assert (c[:, : n // 2].abs() < 2.0 ** -126).float().mean() > 0.9
+    sub = c.abs() < 2.0 ** -126
+    assert sub[:, : n // 2].float().mean() > 0.9
     want = R.k_grouped_fp8_gemm(*(a.cpu() for a in args[:4]), sizes, out=c.cpu().clone(), accumulate=True)
+    flushed = torch.where(sub, torch.zeros_like(c), c)  # C flushed to +-0, then + (+0): +0 (round to nearest)
+    assert torch.equal(want[:, : n // 2], flushed[:, : n // 2].cpu())
     for offset in (0, 2):  # floats: the TMA reduce-add, then the register epilogue
         storage = torch.zeros(g * n * k + 8, device=DEV)
         out = storage[offset:][: g * n * k].view(g, n, k)
         out.copy_(c)
         k_grouped_fp8_gemm(*args, out=out, accumulate=True)
-        assert torch.equal(out[:, : n // 2], c[:, : n // 2]), f"offset {offset}: subnormal C not kept"
-        assert torch.equal(out.cpu(), want)
+        top = out[:, : n // 2]
+        assert torch.equal(top, flushed[:, : n // 2]), f"offset {offset}: {int((top != flushed[:, : n // 2]).sum())} differ"
+        assert torch.equal(torch.signbit(top), torch.signbit(flushed[:, : n // 2])), f"offset {offset}: sign of zero"
+        assert torch.equal(out.cpu(), want), f"offset {offset}: differs from the reference"
 
 
 def test_repeatable_and_offsets_equal_sizes():
@@ -251,6 +256,14 @@ def test_malformed_device_sizes_stay_inside_the_operands():
         k_grouped_fp8_gemm(*args[:4], torch.tensor(bad, device=DEV), out=out)
         torch.cuda.synchronize()
     assert torch.equal(k_grouped_fp8_gemm(*args), good)
+    # a size within 127 of INT_MAX rounds up to 128 in 64 bits (it wrapped negative in int): clamped to P like any
+    # overrun, so group 0 owns every column, as with the size P itself (the scales are per 128-column block either way)
+    p_cols = args[0].shape[1]
+    whole = k_grouped_fp8_gemm(*args[:4], torch.tensor([p_cols, 0, 0, 0], device=DEV))
+    for huge in (2**31 - 100, 2**31 - 1):
+        out = torch.full((4, 256, 256), float("nan"), device=DEV)
+        k_grouped_fp8_gemm(*args[:4], torch.tensor([huge, 0, 0, 0], device=DEV), out=out)
+        assert torch.equal(out, whole), huge
 
 
 def test_cuda_graph_replay_with_new_sizes_and_no_sync():

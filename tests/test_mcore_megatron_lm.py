@@ -96,9 +96,18 @@ def test_spec_with_virtual_pipeline_stages_is_a_layer_spec(megatron_lm_args, mon
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    from megatron.core.models.gpt import gpt_layer_specs
+
     args = megatron_lm_args()
     config = core_transformer_config_from_args(args)
     args.virtual_pipeline_model_parallel_size = 2  # after Megatron-LM's validation, which needs 2+ pipeline ranks
+    if transformer_block.LayerNormImpl is not gpt_layer_specs.LNImpl:
+        # Transformer Engine importable: TransformerBlock's final norm for a layer spec is TENorm, while Megatron-LM's
+        # local builder names its own norm; a layer spec would build another model, so it is refused, naming both
+        with pytest.raises(ValueError, match=f"final norm {transformer_block.LayerNormImpl.__name__}, Megatron-LM's "
+                                             f"builder {gpt_layer_specs.LNImpl.__name__}"):
+            mcore.megatron_lm_spec(args, config, "padded16")
+        return
     spec = mcore.megatron_lm_spec(args, config, "padded16")
     assert spec.module is TransformerLayer
     assert spec.submodules.mlp.keywords["submodules"].experts.keywords["mode"] == "padded16"

@@ -22,7 +22,7 @@
 // released the operand stage of a later block (so the promotion of block j is over by then). The producer thus
 // runs STAGES - 1 blocks ahead of the tensor cores rather than STAGES - 2.
 // Output (kOut): BF16, FP32, or FP32 accumulated into C (Megatron's main_grad: D = C + A.B, one FP32 add per
-// element after the whole contraction; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
+// element after the whole contraction, subnormals flushed as the TMA reduce-add does; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
 // through a 128B-swizzled staging tile and TMA: plain stores, or for the accumulation a TMA reduce-add, which does
 // the one rounded FP32 add in L2 without C ever entering the SM. Otherwise (D only element-aligned, e.g. a
 // main_grad view at an odd float offset) the threads store from registers, every load of C issued before the first
@@ -114,10 +114,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     tma_prefetch_descriptor(&p.a_scales);
     tma_prefetch_descriptor(&p.b_scales);
   }
-  block_exclusive_scan(G, [&](int i) { return (groups_size(p.groups, i) + 127) & ~127; }, col_off, p.p_tokens, scratch);
+  // In 64 bits: a size within 127 of INT_MAX must round up, not wrap negative (the scan clamps totals to P).
+  block_exclusive_scan(G, [&](int i) { return (groups_size(p.groups, i) + 127LL) & ~127LL; }, col_off, p.p_tokens, scratch);
   for (int i = threadIdx.x; i < G; i += blockDim.x) tokens[i] = min(groups_size(p.groups, i), col_off[i + 1] - col_off[i]);
   __syncthreads();
-  block_exclusive_scan(G, [&](int i) { return (tokens[i] + 127) / 128; }, block_off, p.num_blocks_max, scratch);
+  block_exclusive_scan(G, [&](int i) { return (tokens[i] + 127LL) / 128; }, block_off, p.num_blocks_max, scratch);
   const KGroupedScheduler sched{col_off, tokens, block_off, G, (p.n + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M,
                                 (p.k + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
   const int num_tiles = sched.num_tiles();
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
               for (int i = 0; i < kChunk; ++i) {
                 const long long idx = offset((i0 + i) / 4, ((i0 + i) / 2) & 1, (i0 + i) & 1);
-                if (idx >= 0) d32[idx] = __fadd_rn(c[i], acc[i0 + i]);
+                if (idx >= 0) d32[idx] = fadd_rn_ftz(c[i], acc[i0 + i]);
               }
             }
           } else {
