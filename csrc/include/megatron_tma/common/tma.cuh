@@ -107,21 +107,14 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
 }
 
 // D += the tile, element by element in L2 (one FP32 add per element, the instruction DeepGEMM's wgrad epilogue uses):
-// the accumulate epilogue without loading C. Its .add.f32, like red/atom's, rounds to nearest and flushes subnormal
-// inputs and results to sign-preserving zero; the register path adds with fadd_rn_ftz and the reference flushes the
-// same way, so every path gives the same bits (tests/test_k_grouped_gpu.py::test_accumulate_flushes_subnormals).
+// the accumulate epilogue without loading C. Its .add.f32 rounds to nearest and keeps subnormal C (measured on the
+// H200: C + 0 gives C back), as the register path's __fadd_rn and the reference do
+// (tests/test_k_grouped_gpu.py::test_accumulate_keeps_subnormal_c).
 __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* smem, int c0, int c1, int c2) {
   asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
                "r"(smem_u32(smem)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
-}
-
-// The FP32 add of the TMA reduce-add above, in registers: round to nearest, subnormal inputs and results to +-0.
-__device__ __forceinline__ float fadd_rn_ftz(float a, float b) {
-  float d;
-  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
 }
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }

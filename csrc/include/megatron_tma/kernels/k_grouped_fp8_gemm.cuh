@@ -22,7 +22,7 @@
 // released the operand stage of a later block (so the promotion of block j is over by then). The producer thus
 // runs STAGES - 1 blocks ahead of the tensor cores rather than STAGES - 2.
 // Output (kOut): BF16, FP32, or FP32 accumulated into C (Megatron's main_grad: D = C + A.B, one FP32 add per
-// element after the whole contraction, subnormals flushed as the TMA reduce-add does; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
+// element after the whole contraction, subnormals kept; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
 // through a 128B-swizzled staging tile and TMA: plain stores, or for the accumulation a TMA reduce-add, which does
 // the one rounded FP32 add in L2 without C ever entering the SM. Otherwise (D only element-aligned, e.g. a
 // main_grad view at an odd float offset) the threads store from registers, every load of C issued before the first
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
 #pragma unroll
               for (int i = 0; i < kChunk; ++i) {
                 const long long idx = offset((i0 + i) / 4, ((i0 + i) / 2) & 1, (i0 + i) & 1);
-                if (idx >= 0) d32[idx] = fadd_rn_ftz(c[i], acc[i0 + i]);
+                if (idx >= 0) d32[idx] = __fadd_rn(c[i], acc[i0 + i]);
               }
             }
           } else {
