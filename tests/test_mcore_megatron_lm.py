@@ -92,11 +92,10 @@ def test_spec_with_virtual_pipeline_stages_is_a_layer_spec(megatron_lm_args, mon
     """With virtual pipeline stages the builder's block spec depends on the model chunk, and `--spec` gives one
     object: a layer spec (every layer the same), which TransformerBlock repeats for each chunk's own layers, with the
     final norm the builder's block spec names. Refused where it would not build what the builder builds."""
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from megatron.core.models.gpt import gpt_layer_specs
 
     args = megatron_lm_args()
     config = core_transformer_config_from_args(args)
