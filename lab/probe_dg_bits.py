@@ -1,0 +1,73 @@
+"""Lab probe (not part of the product): where DeepGEMM 2.6.1's K-grouped kernel and ours disagree, and which one is
+right. For each shape: both kernels on the same FP8 operands and scales (FP32 out from zero, as
+`kgrouped_vs_deepgemm.py` maps them), the groups whose outputs differ, their sizes, and for the first such group the
+float64 result of its token blocks from the same bytes and scales against both. Needs `deep_gemm` importable.
+
+    python lab/probe_dg_bits.py [--shapes G:M:N:K,...] [--dist paper]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+from kgrouped_vs_deepgemm import deepgemm_operands  # noqa: E402
+
+from megatron_tma import quant  # noqa: E402
+from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
+from megatron_tma.groups import aligned_token_offsets, make_group_sizes, token_block_offsets  # noqa: E402
+
+
+def float64_group(dyt, dys, xt, xs, a, blocks, g, N, K):
+    """Group g's weight gradient in float64: each 128-token block's exact product times its row x column scales."""
+    ref = torch.zeros(N, K, dtype=torch.float64, device=dyt.device)
+    for j in range(blocks[g], blocks[g + 1]):
+        t0 = a[g] + 128 * (j - blocks[g])
+        p = dyt[:, t0:t0 + 128].double() @ xt[:, t0:t0 + 128].double().t()
+        ref += p * dys[j, :N].double()[:, None] * xs[j, :K].double()[None, :]
+    return ref
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="128:32768:1536:2048,64:32768:1536:2048,128:65536:1536:2048,32:8192:4096:7168")
+    ap.add_argument("--dist", default="paper")
+    args = ap.parse_args()
+    import deep_gemm
+
+    for spec in args.shapes.split(","):
+        G, M, N, K = map(int, spec.split(":"))
+        sizes = make_group_sizes(M, G, args.dist, seed=1).cuda()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+        dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
+        xt, xs = quant.quantize_grouped_128x1(x, sizes)
+        dyt, dys = quant.quantize_grouped_128x1(dy, sizes)
+        a = aligned_token_offsets(sizes).tolist()
+        blocks = token_block_offsets(sizes).tolist()
+        used = int(blocks[-1])
+        ks = [a[g + 1] - a[g] for g in range(G)]
+        ks_t = torch.tensor(ks, dtype=torch.int32, device="cuda")
+        ours = torch.zeros(G, N, K, device="cuda")
+        dg = torch.zeros(G, N, K, device="cuda")
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours, accumulate=True)
+        deep_gemm.k_grouped_fp8_gemm_nt_contiguous(deepgemm_operands(dyt, dys, a, used),
+                                                   deepgemm_operands(xt, xs, a, used), dg, ks, ks_t, dg)
+        torch.cuda.synchronize()
+        bad = [g for g in range(G) if not torch.equal(ours[g], dg[g])]
+        print(f"G={G} M={M} N={N} K={K}: equal {not bad}, {len(bad)} groups differ (sizes "
+              f"{[int(sizes[g]) for g in bad[:12]]}), {int((ours != dg).sum())} elements, max diff "
+              f"{float((ours - dg).abs().max()):.4g}; smallest group {int(sizes.min())}", flush=True)
+        if bad:
+            g = bad[0]
+            ref = float64_group(dyt, dys, xt, xs, a, blocks, g, N, K)
+            print(f"  group {g} ({int(sizes[g])} tokens) against float64: ours max |diff| "
+                  f"{float((ours[g].double() - ref).abs().max()):.4g}, DeepGEMM "
+                  f"{float((dg[g].double() - ref).abs().max()):.4g}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
