@@ -53,7 +53,7 @@ def main():
         ks_t = torch.tensor(ks, dtype=torch.int32, device="cuda")
         ours = torch.zeros(G, N, K, device="cuda")
         dg = torch.zeros(G, N, K, device="cuda")
-        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours, accumulate=True)
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours, accumulate=True, backend="cuda")
         deep_gemm.k_grouped_fp8_gemm_nt_contiguous(deepgemm_operands(dyt, dys, a, used),
                                                    deepgemm_operands(xt, xs, a, used), dg, ks, ks_t, dg)
         torch.cuda.synchronize()
