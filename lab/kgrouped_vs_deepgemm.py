@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import types
 
 import torch
 
@@ -29,6 +30,25 @@ def deepgemm_operands(qt, s, a, used):
     return flat, s[:used].t()
 
 
+def wgrad_operands(G, M, N, K, dist):
+    """One shape's wgrad operands, ours and DeepGEMM's views of the same FP8 bytes and scales (fixed seeds): the BF16
+    x [M, K] and dy [M, N], their per-group 128x1 quantizations, the group columns a_g, the token-block offsets,
+    DeepGEMM's per-group token counts (host list and int32 tensor) and operand pairs."""
+    sizes = make_group_sizes(M, G, dist, seed=1).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
+    dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
+    xt, xs = quant.quantize_grouped_128x1(x, sizes)
+    dyt, dys = quant.quantize_grouped_128x1(dy, sizes)
+    a = aligned_token_offsets(sizes).tolist()
+    blocks = token_block_offsets(sizes).tolist()
+    ks = [a[g + 1] - a[g] for g in range(G)]
+    return types.SimpleNamespace(
+        sizes=sizes, x=x, dy=dy, xt=xt, xs=xs, dyt=dyt, dys=dys, a=a, blocks=blocks, ks=ks,
+        ks_t=torch.tensor(ks, dtype=torch.int32, device="cuda"),
+        dg_a=deepgemm_operands(dyt, dys, a, blocks[-1]), dg_b=deepgemm_operands(xt, xs, a, blocks[-1]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=ISSUE_SHAPES)
@@ -41,18 +61,9 @@ def main():
     rows = []
     for spec in args.shapes.split(","):
         G, M, N, K = map(int, spec.split(":"))
-        sizes = make_group_sizes(M, G, args.dist, seed=1).cuda()
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
-        dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
-        xt, xs = quant.quantize_grouped_128x1(x, sizes)
-        dyt, dys = quant.quantize_grouped_128x1(dy, sizes)
-        a = aligned_token_offsets(sizes).tolist()
-        used = int(token_block_offsets(sizes)[-1])
-        ks = [a[g + 1] - a[g] for g in range(G)]
-        ks_t = torch.tensor(ks, dtype=torch.int32, device="cuda")
-        dg_a = deepgemm_operands(dyt, dys, a, used)
-        dg_b = deepgemm_operands(xt, xs, a, used)
+        w = wgrad_operands(G, M, N, K, args.dist)
+        sizes, x, dy, xt, xs, dyt, dys = w.sizes, w.x, w.dy, w.xt, w.xs, w.dyt, w.dys
+        ks, ks_t, dg_a, dg_b = w.ks, w.ks_t, w.dg_a, w.dg_b
         c0 = torch.randn(G, N, K, device="cuda")
         ours_d, dg_d = c0.clone(), c0.clone()
         k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours_d, accumulate=True)

@@ -1,7 +1,7 @@
 """Lab probe (not part of the product): where DeepGEMM 2.6.1's K-grouped kernel and ours disagree, and which one is
-right. For each shape: both kernels on the same FP8 operands and scales (FP32 out from zero, as
-`kgrouped_vs_deepgemm.py` maps them), the groups whose outputs differ, their sizes, and for the first such group the
-float64 result of its token blocks from the same bytes and scales against both. Needs `deep_gemm` importable.
+right. For each shape: both kernels on the same FP8 operands and scales (`kgrouped_vs_deepgemm.wgrad_operands`; FP32
+out from zero), the groups whose outputs differ, their sizes, and for the first such group the float64 result of its
+token blocks from the same bytes and scales against both. Needs `deep_gemm` importable.
 
     python lab/probe_dg_bits.py [--shapes G:M:N:K,...] [--dist paper]
 """
@@ -14,11 +14,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
-from kgrouped_vs_deepgemm import deepgemm_operands  # noqa: E402
+from kgrouped_vs_deepgemm import wgrad_operands  # noqa: E402
 
-from megatron_tma import quant  # noqa: E402
 from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
-from megatron_tma.groups import aligned_token_offsets, make_group_sizes, token_block_offsets  # noqa: E402
 
 
 def float64_group(dyt, dys, xt, xs, a, blocks, g, N, K):
@@ -40,22 +38,12 @@ def main():
 
     for spec in args.shapes.split(","):
         G, M, N, K = map(int, spec.split(":"))
-        sizes = make_group_sizes(M, G, args.dist, seed=1).cuda()
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(M, K, generator=gen, device="cuda").bfloat16()
-        dy = torch.randn(M, N, generator=gen, device="cuda").bfloat16()
-        xt, xs = quant.quantize_grouped_128x1(x, sizes)
-        dyt, dys = quant.quantize_grouped_128x1(dy, sizes)
-        a = aligned_token_offsets(sizes).tolist()
-        blocks = token_block_offsets(sizes).tolist()
-        used = int(blocks[-1])
-        ks = [a[g + 1] - a[g] for g in range(G)]
-        ks_t = torch.tensor(ks, dtype=torch.int32, device="cuda")
+        w = wgrad_operands(G, M, N, K, args.dist)
+        sizes, xt, xs, dyt, dys, a, blocks = w.sizes, w.xt, w.xs, w.dyt, w.dys, w.a, w.blocks
         ours = torch.zeros(G, N, K, device="cuda")
         dg = torch.zeros(G, N, K, device="cuda")
         k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours, accumulate=True, backend="cuda")
-        deep_gemm.k_grouped_fp8_gemm_nt_contiguous(deepgemm_operands(dyt, dys, a, used),
-                                                   deepgemm_operands(xt, xs, a, used), dg, ks, ks_t, dg)
+        deep_gemm.k_grouped_fp8_gemm_nt_contiguous(w.dg_a, w.dg_b, dg, w.ks, w.ks_t, dg)
         torch.cuda.synchronize()
         bad = [g for g in range(G) if not torch.equal(ours[g], dg[g])]
         print(f"G={G} M={M} N={N} K={K}: equal {not bad}, {len(bad)} groups differ (sizes "
