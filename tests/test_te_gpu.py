@@ -89,6 +89,7 @@ def _recipe(tmp_path, *args):
     return result
 
 
+@pytest.mark.recipe_run
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 def test_recipe_with_transformer_engine_fp8_around_every_mode(tmp_path):
     steps = 8
