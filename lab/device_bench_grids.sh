@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Lab: one device call that builds the extension and DeepGEMM, then runs the three GEMM benchmark grids
+# (K-grouped, M-grouped, the layer) with DeepGEMM beside ours. JSON + PNG + logs packed in $OUT/res.tgz
+# (only a few files come back from a device call).
+#   MEGATRON_TMA_COMMIT=<sha> bash lab/device_bench_grids.sh       (carry .dg .whl)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/res"
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
+export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
+(bash .dg/build_deepgemm.sh > "$OUT/res/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
+CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=14 python3 setup.py build_ext --inplace > "$OUT/res/build.log" 2>&1 \
+  || { tail -30 "$OUT/res/build.log"; exit 1; }
+wait; echo "builds done $(( $(date +%s) - t0 )) s"
+source /tmp/dg/env.sh
+for b in ${BENCHES:-k_grouped:230 m_grouped:150 mlp_layer:150}; do
+  name=${b%%:*}; lim=${b#*:}; t1=$(date +%s)
+  timeout $lim python3 benchmarks/bench_$name.py --out "$OUT/res" > "$OUT/res/bench_$name.log" 2>&1
+  echo "bench $name rc=$? $(( $(date +%s) - t1 )) s"; grep -iE "summary|geomean|wrote" "$OUT/res/bench_$name.log" | tail -4
+done
+tar czf "$OUT/res.tgz" -C "$OUT" res && rm -rf "$OUT/res"
+echo "total $(( $(date +%s) - t0 )) s"
