@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# Lab: the K-grouped kernel of two source trees against DeepGEMM 2.6.1, in one device call (~3 minutes): the
-# working tree ("head") and BASE (e.g. `git archive <commit> csrc megatron_tma scripts setup.py pyproject.toml
-# _build_backend.py MANIFEST.in | tar -x -C .ab/base`, carried as an ignored path) built in parallel with DeepGEMM,
-# then lab/kgrouped_vs_deepgemm.py (the five shapes, ours and DeepGEMM in one process, bits compared) run
-# with each build in the order base, head, head, base: the ratio to DeepGEMM is the number to compare.
-#   usage (GPU machine, repo root; carry .dg .whl .ab): bash lab/ab_kgrouped_trees.sh .ab/base
+# Lab: the K-grouped kernels of several source trees against DeepGEMM 2.6.1, in one device call (~3-4 minutes).
+# Each tree (the working tree ".", or an ignored copy carried to the machine, e.g. `git archive <rev> csrc
+# megatron_tma scripts setup.py pyproject.toml _build_backend.py MANIFEST.in | tar -x -C .ab/<name>`) is built in
+# parallel with DeepGEMM; then lab/kgrouped_vs_deepgemm.py (the five shapes, ours and DeepGEMM in one process,
+# bits compared) runs with each build in turn, ROUNDS times in rotated order, each with its own environment (e.g. a
+# kernel switch). The ratio to DeepGEMM is the number to compare between trees.
+#   usage (GPU machine, repo root; carry .dg .whl .ab):
+#     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [wide=.ab/wide@MEGATRON_TMA_KGROUPED_WIDE=1 ...]
 set -uo pipefail
-BASE=${1:?usage: ab_kgrouped_trees.sh BASE_TREE}
+[ $# -ge 1 ] || { echo "usage: ab_kgrouped_trees.sh NAME=TREE[@VAR=VALUE] ..." >&2; exit 2; }
 OUT=${OUT:-/tmp/out}
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD
-build() {  # dir name
-  (cd "$1" && CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=6 python3 setup.py build_ext --inplace > "$OUT/build_$2.log" 2>&1)
-  echo "build $2 rc=$?"
-}
+names=(); declare -A tree env
+for spec in "$@"; do
+  name=${spec%%=*}; rest=${spec#*=}
+  names+=("$name"); tree[$name]=${rest%%@*}; env[$name]=""
+  [[ $rest == *@* ]] && env[$name]=${rest#*@}
+done
+jobs=$(( 16 / (${#names[@]} + 1) )); [ $jobs -ge 2 ] || jobs=2
 (bash .dg/build_deepgemm.sh > "$OUT/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
-build "$BASE" base &
-build . head &
+for n in "${names[@]}"; do
+  (cd "${tree[$n]}" && CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=$jobs python3 setup.py build_ext --inplace \
+     > "$OUT/build_$n.log" 2>&1; echo "build $n rc=$?") &
+done
 wait; echo "built in $(( $(date +%s) - t0 )) s"
 mkdir -p /tmp/ab_so
-so=$(ls megatron_tma/_C*.so) && cp "$so" /tmp/ab_so/head.so && cp "$BASE"/megatron_tma/_C*.so /tmp/ab_so/base.so || exit 1
+so=$(ls megatron_tma/_C*.so) || exit 1
+for n in "${names[@]}"; do cp "${tree[$n]}"/megatron_tma/_C*.so "/tmp/ab_so/$n.so" || exit 1; done
 source /tmp/dg/env.sh
-for v in base head head base; do
-  cp /tmp/ab_so/$v.so "$so"
-  echo "== $v ($(( $(date +%s) - t0 )) s)"
-  timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py --iters ${ITERS:-20} 2>&1 | grep -v -i warn | tail -6
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  order=("${names[@]:$(( (r - 1) % ${#names[@]} ))}" "${names[@]:0:$(( (r - 1) % ${#names[@]} ))}")
+  for n in "${order[@]}"; do
+    cp "/tmp/ab_so/$n.so" "$so"
+    echo "== round $r: $n ${env[$n]} ($(( $(date +%s) - t0 )) s)"
+    env ${env[$n]} timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py --iters ${ITERS:-20} 2>&1 \
+      | grep -v -i warn | tail -6
+  done
 done
-cp /tmp/ab_so/head.so "$so"
+[ -n "${tree[head]:-}" ] && cp /tmp/ab_so/head.so "$so"
