@@ -6,7 +6,7 @@
 # bits compared) runs with each build in turn, ROUNDS times in rotated order, each with its own environment (e.g. a
 # kernel switch). The ratio to DeepGEMM is the number to compare between trees.
 #   usage (GPU machine, repo root; carry .dg .whl .ab):
-#     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [wide=.ab/wide@MEGATRON_TMA_KGROUPED_WIDE=1 ...]
+#     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [m192=.@MEGATRON_TMA_KGROUPED_TILE=192 ...]
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: ab_kgrouped_trees.sh NAME=TREE[@VAR=VALUE] ..." >&2; exit 2; }
 OUT=${OUT:-/tmp/out}
@@ -19,11 +19,13 @@ for spec in "$@"; do
   names+=("$name"); tree[$name]=${rest%%@*}; env[$name]=""
   [[ $rest == *@* ]] && env[$name]=${rest#*@}
 done
-jobs=$(( 16 / (${#names[@]} + 1) )); [ $jobs -ge 2 ] || jobs=2
+declare -A seen; trees=()  # each tree built once, whatever the number of names (environments) it runs under
+for n in "${names[@]}"; do [ -n "${seen[${tree[$n]}]:-}" ] || { seen[${tree[$n]}]=1; trees+=("${tree[$n]}"); }; done
+jobs=$(( 16 / (${#trees[@]} + 1) )); [ $jobs -ge 2 ] || jobs=2
 (bash .dg/build_deepgemm.sh > "$OUT/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
-for n in "${names[@]}"; do
-  (cd "${tree[$n]}" && CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=$jobs python3 setup.py build_ext --inplace \
-     > "$OUT/build_$n.log" 2>&1; echo "build $n rc=$?") &
+for t in "${trees[@]}"; do
+  (cd "$t" && CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=$jobs python3 setup.py build_ext --inplace \
+     > "$OUT/build_$(echo "$t" | tr '/.' '__').log" 2>&1; echo "build $t rc=$?") &
 done
 wait; echo "built in $(( $(date +%s) - t0 )) s"
 mkdir -p /tmp/ab_so
