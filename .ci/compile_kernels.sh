@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile every torch-free kernel translation unit under csrc/instantiations for sm_90a with nvcc, print
-# each kernel's registers / stack / spills, and fail on a compile error, on any register spill, or when ptxas
-# serialises wgmma (warnings C7514-C7518).
+# each kernel's registers / stack / spills, and fail on a compile error, on any register spill, when ptxas
+# serialises wgmma (warnings C7514-C7518), or when a grouped GEMM's launch register count is not the budget its
+# setmaxnreg split assumes.
 # Usage: .ci/compile_kernels.sh [PYTHON]   (PYTHON locates the nvidia-cutlass headers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +24,15 @@ for src in csrc/instantiations/*.cu; do
        /bytes stack frame/ {stack=$1; spill_st=$5; spill_ld=$9}
        /Used [0-9]+ registers/ {for (i=1;i<=NF;i++) if ($i=="Used") regs=$(i+1);
          printf "  %-60s regs=%-4s stack=%-5s spill_st=%-4s spill_ld=%s\n", substr(fn,1,60), regs, stack, spill_st, spill_ld}' "$log"
-  if grep -Eq "[1-9][0-9]* bytes spill (stores|loads)" "$log"; then
+  # The grouped GEMMs' setmaxnreg split (static_asserts in their Configs) assumes the launch gives every thread
+  # the whole register file's share, 65536 / threads rounded down to 8: 168 with two math warpgroups, 128 with three.
+  # If ptxas allocated fewer, setmaxnreg.inc would wait for registers the pool never holds: a hang on the GPU.
+  budget=$(awk '/Compiling entry function/ {fn=$(NF-2)}
+       /Used [0-9]+ registers/ && fn ~ /GroupedGemmConfig/ {for (i=1;i<=NF;i++) if ($i=="Used") r=$(i+1);
+         want = (fn ~ /Li3EE/) ? 128 : 168; if (r != want) print fn ": " r " registers, launch budget " want}' "$log")
+  if [ -n "$budget" ]; then
+    echo "$budget"; echo "FAIL  $src: a grouped GEMM's register count is not its setmaxnreg budget"; status=1
+  elif grep -Eq "[1-9][0-9]* bytes spill (stores|loads)" "$log"; then
     echo "FAIL  $src spills registers"; status=1
   elif grep -Eq "\(C751[4-8]\)" "$log"; then  # ptxas serialised wgmma (or injected a wait): a silent 2x loss
     grep -E "\(C751[4-8]\)" "$log" | sed 's/ in function.*//'; echo "FAIL  $src serialises wgmma"; status=1
