@@ -4,18 +4,19 @@
 # megatron_tma scripts setup.py pyproject.toml _build_backend.py MANIFEST.in | tar -x -C .ab/<name>`) is built in
 # parallel with DeepGEMM; then lab/kgrouped_vs_deepgemm.py (the five shapes, ours and DeepGEMM in one process,
 # bits compared) runs with each build in turn, ROUNDS times in rotated order, each with its own environment (e.g. a
-# kernel switch). The ratio to DeepGEMM is the number to compare between trees.
+# kernel switch, after @) and arguments to that script (after :). The ratio to DeepGEMM is the number to compare.
 #   usage (GPU machine, repo root; carry .dg .whl .ab):
-#     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [m192=.@MEGATRON_TMA_KGROUPED_TILE=192 ...]
+#     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [m192=.:--block-m=192] [wide=.ab/wide@VAR=1 ...]
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: ab_kgrouped_trees.sh NAME=TREE[@VAR=VALUE] ..." >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: ab_kgrouped_trees.sh NAME=TREE[@VAR=VALUE][:ARGS] ..." >&2; exit 2; }
 OUT=${OUT:-/tmp/out}
 t0=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD
-names=(); declare -A tree env
+names=(); declare -A tree env args
 for spec in "$@"; do
-  name=${spec%%=*}; rest=${spec#*=}
+  name=${spec%%=*}; rest=${spec#*=}; args[$name]=""
+  [[ $rest == *:* ]] && { args[$name]=${rest#*:}; rest=${rest%%:*}; }
   names+=("$name"); tree[$name]=${rest%%@*}; env[$name]=""
   [[ $rest == *@* ]] && env[$name]=${rest#*@}
 done
@@ -36,8 +37,8 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   order=("${names[@]:$(( (r - 1) % ${#names[@]} ))}" "${names[@]:0:$(( (r - 1) % ${#names[@]} ))}")
   for n in "${order[@]}"; do
     cp "/tmp/ab_so/$n.so" "$so"
-    echo "== round $r: $n ${env[$n]} ($(( $(date +%s) - t0 )) s)"
-    env ${env[$n]} timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py --iters ${ITERS:-20} 2>&1 \
+    echo "== round $r: $n ${env[$n]} ${args[$n]} ($(( $(date +%s) - t0 )) s)"
+    env ${env[$n]} timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py --iters ${ITERS:-20} ${args[$n]} 2>&1 \
       | grep -v -i warn | tail -6
   done
 done
