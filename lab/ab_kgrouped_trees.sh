@@ -2,7 +2,8 @@
 # Lab: the K-grouped kernels of several source trees against DeepGEMM 2.6.1, in one device call (~3-4 minutes).
 # Each tree (the working tree ".", or an ignored copy carried to the machine, e.g. `git archive <rev> csrc
 # megatron_tma scripts setup.py pyproject.toml _build_backend.py MANIFEST.in | tar -x -C .ab/<name>`) is built in
-# parallel with DeepGEMM; then lab/kgrouped_vs_deepgemm.py (the issue's five shapes, ours and DeepGEMM in one process,
+# place in parallel with DeepGEMM; then this tree's lab/kgrouped_vs_deepgemm.py, importing the tree's own package
+# and build (PYTHONPATH), (the issue's five shapes, ours and DeepGEMM in one process,
 # bits compared) runs with each build in turn, ROUNDS times in rotated order, each with its own environment (e.g. a
 # kernel switch, after @) and arguments to that script (after :). The ratio to DeepGEMM is the number to compare.
 #   usage (GPU machine, repo root; carry .dg .whl .ab):
@@ -29,17 +30,15 @@ for t in "${trees[@]}"; do
      > "$OUT/build_$(echo "$t" | tr '/.' '__').log" 2>&1; echo "build $t rc=$?") &
 done
 wait; echo "built in $(( $(date +%s) - t0 )) s"
-mkdir -p /tmp/ab_so
-so=$(ls megatron_tma/_C*.so) || exit 1
-for n in "${names[@]}"; do cp "${tree[$n]}"/megatron_tma/_C*.so "/tmp/ab_so/$n.so" || exit 1; done
+for t in "${trees[@]}"; do ls "$t"/megatron_tma/_C*.so > /dev/null || exit 1; done
 source /tmp/dg/env.sh
 for r in $(seq 1 "${ROUNDS:-2}"); do
   order=("${names[@]:$(( (r - 1) % ${#names[@]} ))}" "${names[@]:0:$(( (r - 1) % ${#names[@]} ))}")
   for n in "${order[@]}"; do
-    cp "/tmp/ab_so/$n.so" "$so"
+    # The tree's own package and build (its Python may differ from this one's); the timing script is this tree's.
+    pkg=$(cd "${tree[$n]}" && pwd)
     echo "== round $r: $n ${env[$n]} ${args[$n]} ($(( $(date +%s) - t0 )) s)"
-    env ${env[$n]} timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py --iters ${ITERS:-20} ${args[$n]} 2>&1 \
-      | grep -v -i warn | tail -6
+    env ${env[$n]} PYTHONPATH="$pkg:$PWD/.site" timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py \
+      --iters ${ITERS:-20} ${args[$n]} 2>&1 | grep -v -i warn | tail -6
   done
 done
-[ -n "${tree[head]:-}" ] && cp /tmp/ab_so/head.so "$so"
