@@ -254,8 +254,8 @@ def parse_args(argv=None):
                    help="leave torch's deterministic algorithms off (at top-k >= 3 Megatron's combine then sums "
                         "with atomics, and modes that should match bit for bit may not)")
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
-                   help="print torch.profiler's table of the ops that took the most GPU time in this step (rank 0; "
-                        "that step's time then includes the profiler)")
+                   help="print torch.profiler's tables of the ops that took the most GPU time and the most host time "
+                        "in this step (rank 0; that step's time then includes the profiler)")
     ckpt = p.add_argument_group("checkpoints (Megatron-LM's option names; megatron_tma.mcore.checkpoint)")
     ckpt.add_argument("--save", metavar="DIR",
                       help="save a torch_dist checkpoint of each mode (model, optimizer state, RNG states, the run's "
@@ -706,9 +706,12 @@ def train(args, mode, rank, batches):
         if profiler is not None:
             torch.cuda.synchronize()
             profiler.__exit__(None, None, None)
-            if rank == 0:
-                print(f"[{mode}] step {step} profile:\n" + profiler.key_averages().table(
+            if rank == 0:  # where the GPU's time went, then the host's (a host-bound step waits on the latter)
+                averages = profiler.key_averages()
+                print(f"[{mode}] step {step} profile:\n" + averages.table(
                     sort_by="self_device_time_total", row_limit=15, max_name_column_width=60), flush=True)
+                print(f"[{mode}] step {step} host profile:\n" + averages.table(
+                    sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60), flush=True)
         share = timer.stop()
         loss = step_loss(out)
         torch.cuda.synchronize()
