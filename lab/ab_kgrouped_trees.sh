@@ -2,10 +2,10 @@
 # Lab: the K-grouped kernels of several source trees against DeepGEMM 2.6.1, in one device call (~3-4 minutes).
 # Each tree (the working tree ".", or an ignored copy carried to the machine, e.g. `git archive <rev> csrc
 # megatron_tma scripts setup.py pyproject.toml _build_backend.py MANIFEST.in | tar -x -C .ab/<name>`) is built in
-# place in parallel with DeepGEMM; then this tree's lab/kgrouped_vs_deepgemm.py, importing the tree's own package
-# and build (PYTHONPATH), (the five shapes, ours and DeepGEMM in one process,
-# bits compared) runs with each build in turn, ROUNDS times in rotated order, each with its own environment (e.g. a
-# kernel switch, after @) and arguments to that script (after :). The ratio to DeepGEMM is the number to compare.
+# place in parallel with DeepGEMM; then this tree's lab/kgrouped_vs_deepgemm.py (the five shapes, ours and
+# DeepGEMM in one process, bits compared) runs once per name, importing that name's tree's own package and build,
+# ROUNDS times in rotated order, each with its own environment (e.g. a kernel switch, after @) and arguments to the
+# script (after :). The ratio to DeepGEMM is the number to compare.
 #   usage (GPU machine, repo root; carry .dg .whl .ab):
 #     bash lab/ab_kgrouped_trees.sh base=.ab/base head=. [m192=.:--block-m=192] [wide=.ab/wide@VAR=1 ...]
 set -uo pipefail

@@ -6,13 +6,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/res"
 t0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
-export PYTHONPATH=$PWD/.site:$PWD:${PYTHONPATH:-}
-(bash .dg/build_deepgemm.sh > "$OUT/res/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
-CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=14 python3 setup.py build_ext --inplace > "$OUT/res/build.log" 2>&1 \
-  || { tail -30 "$OUT/res/build.log"; exit 1; }
-wait; echo "builds done $(( $(date +%s) - t0 )) s"
-source /tmp/dg/env.sh
+LOGS=$OUT/res source lab/device_setup.sh || exit 1
+echo "builds done $(( $(date +%s) - t0 )) s"
 for b in ${BENCHES:-k_grouped:230 m_grouped:150 mlp_layer:150}; do
   name=${b%%:*}; lim=${b#*:}; t1=$(date +%s)
   timeout $lim python3 benchmarks/bench_$name.py --out "$OUT/res" > "$OUT/res/bench_$name.log" 2>&1

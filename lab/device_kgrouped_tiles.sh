@@ -12,7 +12,7 @@
 #     | tar -x -C .ab/wide
 # then: MEGATRON_TMA_COMMIT=<branch sha> bash lab/device_kgrouped_tiles.sh   (carry .dg .whl .ab)
 # All three may not fit one 600 s call: PHASES="ab" first, then PHASES="tests bench" on the warm machine (it keeps
-# the branch's build in place; DeepGEMM's build script rebuilds in a minute if /tmp went). Logs, JSON and PNG come
+# the branch's build in place; lab/device_setup.sh rebuilds what is missing or stale). Logs, JSON and PNG come
 # back packed in $OUT/res.tgz.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/res"
@@ -23,13 +23,8 @@ if [[ " $PHASES " == *" ab "* ]]; then
     m192=.:--block-m=192 wide=.ab/wide@MEGATRON_TMA_KGROUPED_WIDE=1 2>&1 | tee "$OUT/res/ab.log" \
     | grep -E "^==|x[0-9]|rc=|built"
 fi
-export PYTHONPATH=$PWD/.site:$PWD
 if [[ " $PHASES " == *" tests "* || " $PHASES " == *" bench "* ]]; then
-  [ -d .site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
-  ls megatron_tma/_C*.so > /dev/null 2>&1 || CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext \
-    --inplace > "$OUT/res/build.log" 2>&1
-  bash .dg/build_deepgemm.sh > "$OUT/res/dg_build.log" 2>&1
-  source /tmp/dg/env.sh
+  LOGS=$OUT/res source lab/device_setup.sh || exit 1  # the branch's build (up to date after the ab phase)
 fi
 if [[ " $PHASES " == *" tests "* ]]; then
   echo "== tests ($(( $(date +%s) - t0 )) s)"
