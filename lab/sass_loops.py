@@ -7,16 +7,15 @@ cost per block and warp, a number to hold two kernels (or two builds) to without
 """
 import argparse
 import collections
+import os
 import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ncu_sass_summary import opcode  # noqa: E402  (`@!P0 UIADD3.X UR4, ...` -> `UIADD3`)
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
-
-
-def opcode(text: str) -> str:
-    """`@!P0 UIADD3.X UR4, ...` -> `UIADD3`."""
-    text = re.sub(r"^@!?U?P[T\d]+\s+", "", text.strip())
-    return text.split()[0].split(".")[0] if text else "?"
 
 
 def functions(sass: str):
