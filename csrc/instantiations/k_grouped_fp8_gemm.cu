@@ -1,5 +1,9 @@
 // Host launcher and instantiations of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh): one
-// kernel, instantiated per output kind (BF16, FP32, FP32 accumulate).
+// kernel, instantiated per output kind (BF16, FP32, FP32 accumulate) and tile (128 x 128 with two math
+// warpgroups, 192 x 128 with three).
+#include <cstdlib>
+#include <cstring>
+
 #include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/k_grouped_fp8_gemm.cuh"
@@ -21,9 +25,9 @@ cudaError_t encode_block_scales(CUtensorMap* map, const float* base, int cols, i
   return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE);
 }
 
-template <KGroupedOut kOut>
+template <KGroupedOut kOut, int kMathWarpgroups>
 cudaError_t launch(const KGroupedGemmParams& p, cudaStream_t stream) {
-  using Config = KGroupedGemmConfig<kOut>;
+  using Config = KGroupedGemmConfig<kOut, kMathWarpgroups>;
   auto kernel = k_grouped_fp8_gemm_kernel<Config>;
   const size_t smem = Config::smem_bytes(p.groups.num_groups);
   cudaError_t err;
@@ -35,6 +39,24 @@ cudaError_t launch(const KGroupedGemmParams& p, cudaStream_t stream) {
   const int grid = static_cast<int>(tiles < num_sms ? tiles : num_sms);
   kernel<<<grid, Config::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <KGroupedOut kOut>
+cudaError_t launch(const KGroupedGemmParams& p, int math_warpgroups, cudaStream_t stream) {
+  return math_warpgroups == 3 ? launch<kOut, 3>(p, stream) : launch<kOut, 2>(p, stream);
+}
+
+// The tile: 192 x 128 (three math warpgroups) only where MEGATRON_TMA_KGROUPED_TILE=192 asks for it and the groups
+// fit its shared memory; 128 x 128 otherwise. (A lab switch, read once per process, until measurements give the
+// choice per shape.)
+int math_warpgroups(int num_groups, bool out_bf16) {
+  static const bool wide = [] {
+    const char* v = std::getenv("MEGATRON_TMA_KGROUPED_TILE");
+    return v != nullptr && std::strcmp(v, "192") == 0;
+  }();
+  const int max_groups = out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16, 3>::kTileMaxGroups
+                                  : KGroupedGemmConfig<KGroupedOut::kF32, 3>::kTileMaxGroups;
+  return wide && num_groups <= max_groups ? 3 : 2;
 }
 }  // namespace
 
@@ -49,7 +71,8 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   KGroupedGemmParams p{};
   cudaError_t err;
   // One block per TMA box: the tile's rows of dY^T and of X^T (its output columns), and their scales.
-  const int box_m = KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_M;
+  const int mwg = math_warpgroups(G, args.out_bf16);
+  const int box_m = 64 * mwg;  // KGroupedGemmConfig<kOut, mwg>::BLOCK_M
   const int box_n = args.out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16>::BLOCK_N
                                   : KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_N;
   if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch, box_m)) != cudaSuccess) return err;
@@ -76,9 +99,9 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
       return err;
     p.tma_out = 1;
   }
-  if (args.out_bf16) return launch<KGroupedOut::kBf16>(p, stream);
-  if (args.accumulate) return launch<KGroupedOut::kF32Accumulate>(p, stream);
-  return launch<KGroupedOut::kF32>(p, stream);
+  if (args.out_bf16) return launch<KGroupedOut::kBf16>(p, mwg, stream);
+  if (args.accumulate) return launch<KGroupedOut::kF32Accumulate>(p, mwg, stream);
+  return launch<KGroupedOut::kF32>(p, mwg, stream);
 }
 
 }  // namespace megatron_tma

@@ -14,7 +14,8 @@
 //
 // Structure: the M-grouped kernel's, over the K-grouped scheduler's tiles (group, N block, K block). Persistent
 // grid; warpgroup 0 = one TMA producer thread; warpgroups 1-2 = math, 64 output rows (N) each, with two partial
-// fragments so that block j+1 runs on the tensor cores while block j is promoted:
+// fragments so that block j+1 runs on the tensor cores while block j is promoted (or, in the 192 x 128 tile,
+// warpgroups 1-3 with one partial fragment each, promoted after each block while the other two compute):
 // acc = fma(sa[n] * sb[k], p, acc), ascending blocks (the per-element scale product is the wgrad's extra cost
 // over the M-grouped promotion: two FP32 operations per element and block instead of one).
 // A block's operand stage is handed back as soon as its wgmma is complete, before its promotion: the scales it
@@ -58,25 +59,35 @@ struct KGroupedGemmParams {
   int tma_out;           // D 16-byte aligned: staging tile + TMA store / reduce-add; else register stores
 };
 
-template <KGroupedOut kOut_>
+template <KGroupedOut kOut_, int MATH_WG_ = 2>
 struct KGroupedGemmConfig {
   static constexpr KGroupedOut kOut = kOut_;
   static constexpr bool kF32 = kOut != KGroupedOut::kBf16, kAccumulate = kOut == KGroupedOut::kF32Accumulate;
-  // BLOCK_M x BLOCK_N output rows (N) x columns (K), BLOCK_K tokens per block. (Measured against DeepGEMM's
-  // choice, 160 columns with one fragment and 3 stages: 4-14% slower on groups of >= 2048 tokens;
-  // benchmarks/NOTES.md.)
-  static constexpr int BLOCK_M = 128, BLOCK_N = 128, BLOCK_K = 128;
-  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory.
-  static constexpr int STAGES = kF32 ? 4 : 5;
-  static constexpr int kMathWarpgroups = 2, kThreads = 128 * (1 + kMathWarpgroups);
-  static constexpr int kProducerRegs = 24, kMathRegs = 240;
+  // BLOCK_M x BLOCK_N output rows (N) x columns (K), BLOCK_K tokens per block, 64 rows per math warpgroup.
+  // Two warpgroups (128 x 128): two partial fragments each, block j+1 on the tensor cores while block j is promoted.
+  // Three (192 x 128, the M-grouped kernel's best tile on large groups): 160 registers leave room for one partial
+  // fragment, retired and promoted after each block; while one warpgroup promotes, the other two keep the tensor
+  // cores busy, and each X^T tile serves 192 rows instead of 128 (a third fewer operand bytes per MAC). (Measured
+  // against DeepGEMM's choice, 160 columns with one fragment and 3 stages: 4-14% slower on groups of >= 2048
+  // tokens; benchmarks/NOTES.md.)
+  static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
+  static_assert(kMathWarpgroups == 2 || kMathWarpgroups == 3, "128 x 128 or 192 x 128");
+  static constexpr bool kSerial = kMathWarpgroups == 3;
+  static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = 128, BLOCK_K = 128;
+  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory (two fewer at 192 rows).
+  static constexpr int STAGES = kSerial ? (kF32 ? 3 : 4) : (kF32 ? 4 : 5);
+  static constexpr int kProducerRegs = 24, kMathRegs = kSerial ? 160 : 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
   static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K, B_BYTES = BLOCK_N * BLOCK_K;
   static constexpr int S_BYTES = (BLOCK_M + BLOCK_N) * 4;  // the block's row scales sa[n], then sb[k]
-  static constexpr int S_SLOTS = 2 * STAGES;  // the scale ring (outlives the early-released operand stages)
+  // The scale ring outlives the early-released operand stages: the producer reaches a slot again only after the
+  // math warps have released a later block's stage, by which time this block's promotion is over. With two partial
+  // fragments a warpgroup releases block j + 1 before promoting block j, so that needs 2 x STAGES slots; promoting
+  // each block before the next one's wait (serial), STAGES + 1.
+  static constexpr int S_SLOTS = kSerial ? STAGES + 1 : 2 * STAGES;
   // Staging: per math warpgroup 64 rows x 128 columns, as 128-byte swizzle rows: BF16 two 64-column boxes,
   // FP32 four 32-column boxes, each box 64 rows x 128 B = 8 KB.
   static constexpr int kBoxBytes = 64 * 128, kBoxes = BLOCK_N / (kF32 ? 32 : 64);
@@ -89,11 +100,17 @@ struct KGroupedGemmConfig {
   static constexpr int OFF_BAR = OFF_S + S_SLOTS * S_BYTES;
   static constexpr int OFF_SCRATCH = OFF_BAR + 2 * STAGES * 8;
   static constexpr int OFF_GROUPS = OFF_SCRATCH + 256;
-  static constexpr int kMaxGroups = 1024;
-  // Group columns a_g [G+1], token counts [G] (padded to G+1), token-block offsets B_g [G+1].
+  // Group columns a_g [G+1], token counts [G] (padded to G+1), token-block offsets B_g [G+1], in what is left of
+  // the SM90's 227 KB: 1024 groups beside the 128 x 128 tiles, fewer beside the 192 x 128 ones.
+  static constexpr int kMaxGroups = 1024;  // the GEMM's limit (megatron_tma.limits), that of the 128 x 128 tiles
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kTileMaxGroups = (kSmemLimit - 1024 - OFF_GROUPS) / 12 - 1 < kMaxGroups
+                                            ? (kSmemLimit - 1024 - OFF_GROUPS) / 12 - 1 : kMaxGroups;
   static size_t smem_bytes(int num_groups) { return 1024 + OFF_GROUPS + 3 * (num_groups + 1) * sizeof(int); }
   static_assert(OFF_B % 1024 == 0 && OFF_D % 1024 == 0, "128B-swizzled tiles need 1024-byte alignment");
-  static_assert(1024 + OFF_GROUPS + 3 * (kMaxGroups + 1) * 4 <= 227 * 1024, "fits the SM90 shared memory");
+  static_assert(kTileMaxGroups >= 64 && 1024 + OFF_GROUPS + 3 * (kTileMaxGroups + 1) * 4 <= kSmemLimit,
+                "fits the SM90 shared memory");
+  static_assert(kSerial || kTileMaxGroups == kMaxGroups, "the 128 x 128 tiles take every group count allowed");
 };
 
 template <class Cfg>
@@ -155,7 +172,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     const int r0 = 16 * warp + lane / 4;
     using Mma = WgmmaFp8<Cfg::BLOCK_N>;
     constexpr int R = Mma::kRegs;
-    float acc[R], part0[R], part1[R];
+    float acc[R], part0[R];
+    float part1[Cfg::kSerial ? 1 : R];  // the second partial fragment of the two-fragment pipeline
     PipelineState<Cfg::STAGES> st;
     int slot = 0;  // of the scale ring, in step with st
     const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
@@ -196,7 +214,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       if (Cfg::kAccumulate && blocks <= 0) continue;  // an empty group leaves C unchanged
 #pragma unroll
       for (int i = 0; i < R; ++i) acc[i] = 0.f;
-      if (blocks > 0) {
+      if constexpr (Cfg::kSerial) {
+        // One partial fragment: retire and promote each block before the next one's wgmma; the other two
+        // warpgroups' blocks keep the tensor cores busy meanwhile.
+        for (int j = 0; j < blocks; ++j) {
+          pipe.consumer_wait(st);
+          issue(part0, st);
+          wgmma_wait<0>();
+          fence_regs(part0);
+          pipe.consumer_release(st, lane);
+          promote(part0, slot);
+          st.advance();
+          slot = next_slot(slot);
+        }
+      } else if (blocks > 0) {
         pipe.consumer_wait(st);
         issue(part0, st);
         auto step = [&](int, float(&cur)[R], float(&nxt)[R]) {
