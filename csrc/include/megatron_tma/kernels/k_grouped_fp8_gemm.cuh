@@ -74,8 +74,9 @@ struct KGroupedGemmConfig {
   static_assert(kMathWarpgroups == 2 || kMathWarpgroups == 3, "128 x 128 or 192 x 128");
   static constexpr bool kSerial = kMathWarpgroups == 3;
   static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = 128, BLOCK_K = 128;
-  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory (two fewer at 192 rows).
-  static constexpr int STAGES = kSerial ? (kF32 ? 3 : 4) : (kF32 ? 4 : 5);
+  // The FP32 staging tile is twice the BF16 one: one stage fewer keeps it in shared memory. At 192 rows the FP32
+  // slabs leave in two passes of 64 columns (half the staging), which keeps 4 stages.
+  static constexpr int STAGES = kSerial ? 4 : (kF32 ? 4 : 5);
   static constexpr int kProducerRegs = 24, kMathRegs = kSerial ? 160 : 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
@@ -92,7 +93,8 @@ struct KGroupedGemmConfig {
   // FP32 four 32-column boxes, each box 64 rows x 128 B = 8 KB.
   static constexpr int kBoxBytes = 64 * 128, kBoxes = BLOCK_N / (kF32 ? 32 : 64);
   static_assert(BLOCK_N % (kF32 ? 32 : 64) == 0, "the staging tile is whole 128-byte boxes");
-  static constexpr int D_BYTES = kMathWarpgroups * kBoxes * kBoxBytes;
+  static constexpr int kStagingPasses = kSerial && kF32 ? 2 : 1, kPassBoxes = kBoxes / kStagingPasses;
+  static constexpr int D_BYTES = kMathWarpgroups * kPassBoxes * kBoxBytes;
   static constexpr int OFF_A = 0;
   static constexpr int OFF_B = OFF_A + STAGES * A_BYTES;
   static constexpr int OFF_D = OFF_B + STAGES * B_BYTES;
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
     int slot = 0;  // of the scale ring, in step with st
     const KmajorSw128Desc da0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_A + mwg * 64 * 128).lo, 0)};
     const KmajorSw128Desc db0{__shfl_sync(0xffffffffu, KmajorSw128Desc::at(smem + Cfg::OFF_B).lo, 0)};
-    uint8_t* const d_tile = smem + Cfg::OFF_D + mwg * Cfg::kBoxes * Cfg::kBoxBytes;  // this warpgroup's staging
+    uint8_t* const d_tile = smem + Cfg::OFF_D + mwg * Cfg::kPassBoxes * Cfg::kBoxBytes;  // this warpgroup's staging
 
     auto issue = [&](float(&frag)[R], const PipelineState<Cfg::STAGES>& at) {
       const KmajorSw128Desc da = da0.plus_units(at.stage * (Cfg::A_BYTES >> 4));
@@ -193,17 +195,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + at_slot * Cfg::S_BYTES);
       promote_row_col_scaled(acc, frag, s[64 * mwg + r0], s[64 * mwg + r0 + 8], s + Cfg::BLOCK_M + 2 * (lane % 4));
     };
-    // The leader's TMA boxes of this warpgroup's 64 x 128 slab: store D, or add the slab into it. A box wholly
-    // past the N or K edge is not written; TMA clips the partial ones.
-    auto store_slab = [&](const KTile& tile) {
+    // The leader's TMA boxes of this warpgroup's 64 x 128 slab (those of one staging pass): store D, or add the
+    // slab into it. A box wholly past the N or K edge is not written; TMA clips the partial ones.
+    auto store_slab = [&](const KTile& tile, int pass) {
       const int n0 = tile.n_block * Cfg::BLOCK_M + 64 * mwg, k0 = tile.k_block * Cfg::BLOCK_N;
       constexpr int kCols = Cfg::kF32 ? 32 : 64;  // columns per 128-byte box row
-      for (int b = 0; b < Cfg::kBoxes; ++b) {
+      for (int i = 0; i < Cfg::kPassBoxes; ++i) {
+        const int b = pass * Cfg::kPassBoxes + i;
         if (k0 + kCols * b >= p.k) continue;
         if constexpr (Cfg::kAccumulate)
-          tma_reduce_add_3d(&p.d_tma, d_tile + b * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
+          tma_reduce_add_3d(&p.d_tma, d_tile + i * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
         else
-          tma_store_3d(&p.d_tma, d_tile + b * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
+          tma_store_3d(&p.d_tma, d_tile + i * Cfg::kBoxBytes, k0 + kCols * b, n0, tile.group);
       }
     };
     auto next_slot = [](int s_) { return s_ + 1 == Cfg::S_SLOTS ? 0 : s_ + 1; };
@@ -257,27 +260,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
       const KTile et = sched.get(t);
       if (p.tma_out) {
         if (et.n_block * Cfg::BLOCK_M + 64 * mwg >= p.n) continue;  // this warpgroup's rows are all past N
-        if (tid == 0) tma_store_wait_read<0>();  // the previous tile's stores have read the staging tile
-        named_barrier_sync(1 + mwg, 128);
-        if constexpr (Cfg::kF32) {
-          // Element (row rr, column c) of the slab lives in box c / 32, swizzle row rr, 16-byte chunk (c % 32) / 4.
 #pragma unroll
-          for (int j = 0; j < R / 4; ++j)
+        for (int pass = 0; pass < Cfg::kStagingPasses; ++pass) {
+          if (tid == 0) tma_store_wait_read<0>();  // the previous stores (tile or pass) have read the staging tile
+          named_barrier_sync(1 + mwg, 128);
+          if constexpr (Cfg::kF32) {
+            // Element (row rr, column c) of the slab lives in box c / 32, swizzle row rr, 16-byte chunk
+            // (c % 32) / 4; a pass stages the boxes [pass * kPassBoxes, +kPassBoxes), i.e. fragment columns
+            // j in [pass * R / 4 / passes, +R / 4 / passes).
+            constexpr int kJ = R / 4 / Cfg::kStagingPasses;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int rr = r0 + 8 * h, c = 8 * j + 2 * (lane % 4);
-              float2* dst = reinterpret_cast<float2*>(d_tile + (c >> 5) * Cfg::kBoxBytes +
-                                                      sw128_offset(rr, (c & 31) >> 2) + (c & 3) * 4);
-              *dst = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            }
-        } else {
-          stage_bf16_fragment<Cfg::kBoxBytes>(d_tile, acc, r0, lane);
-        }
-        fence_proxy_async_smem();
-        named_barrier_sync(1 + mwg, 128);
-        if (tid == 0) {
-          store_slab(et);
-          tma_store_commit();
+            for (int jj = 0; jj < kJ; ++jj)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int j = pass * kJ + jj, rr = r0 + 8 * h, c = 8 * j + 2 * (lane % 4);
+                const int box = (c >> 5) - pass * Cfg::kPassBoxes;
+                float2* dst = reinterpret_cast<float2*>(d_tile + box * Cfg::kBoxBytes +
+                                                        sw128_offset(rr, (c & 31) >> 2) + (c & 3) * 4);
+                *dst = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              }
+          } else {
+            stage_bf16_fragment<Cfg::kBoxBytes>(d_tile, acc, r0, lane);
+          }
+          fence_proxy_async_smem();
+          named_barrier_sync(1 + mwg, 128);
+          if (tid == 0) {
+            store_slab(et, pass);
+            tma_store_commit();
+          }
         }
       } else {
         // Register epilogue for a D that is not 16-byte aligned: element-wise, so any element alignment works.
