@@ -72,7 +72,7 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   cudaError_t err;
   // One block per TMA box: the tile's rows of dY^T and of X^T (its output columns), and their scales.
   const int mwg = math_warpgroups(G, args.out_bf16);
-  const int box_m = 64 * mwg;  // KGroupedGemmConfig<kOut, mwg>::BLOCK_M
+  const int box_m = mwg == 3 ? KGroupedGemmConfig<KGroupedOut::kF32, 3>::BLOCK_M : KGroupedGemmConfig<KGroupedOut::kF32, 2>::BLOCK_M;
   const int box_n = args.out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16>::BLOCK_N
                                   : KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_N;
   if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch, box_m)) != cudaSuccess) return err;

@@ -19,9 +19,10 @@
 // acc = fma(sa[n] * sb[k], p, acc), ascending blocks (the per-element scale product is the wgrad's extra cost
 // over the M-grouped promotion: two FP32 operations per element and block instead of one).
 // A block's operand stage is handed back as soon as its wgmma is complete, before its promotion: the scales it
-// needs live in a ring of twice as many slots, which the producer reaches again only after the math warps have
-// released the operand stage of a later block (so the promotion of block j is over by then). The producer thus
-// runs STAGES - 1 blocks ahead of the tensor cores rather than STAGES - 2.
+// needs live in a ring of more slots than stages (2 x STAGES, or STAGES + 1 when each block is promoted before the
+// next one's wait), which the producer reaches again only after the math warps have released the operand stage of
+// a later block (so the promotion of block j is over by then). With two fragments the producer thus runs
+// STAGES - 1 blocks ahead of the tensor cores rather than STAGES - 2.
 // Output (kOut): BF16, FP32, or FP32 accumulated into C (Megatron's main_grad: D = C + A.B, one FP32 add per
 // element after the whole contraction, subnormals kept; an empty group leaves C untouched). When D is 16-byte aligned a tile leaves
 // through a 128B-swizzled staging tile and TMA: plain stores, or for the accumulation a TMA reduce-add, which does
@@ -79,7 +80,8 @@ struct KGroupedGemmConfig {
   static constexpr int STAGES = kSerial ? 4 : (kF32 ? 4 : 5);
   static constexpr int kProducerRegs = 24, kMathRegs = kSerial ? 160 : 240;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
-  // (the launch gives every thread 64K / kThreads rounded down to 8: 168): a split over that budget hangs.
+  // (the launch gives every thread 64K / kThreads rounded down to 8: 168 for 384 threads, 128 for 512; checked
+  // in .ci/compile_kernels.sh): a split over that budget hangs.
   static_assert(128 * kProducerRegs + 128 * kMathWarpgroups * kMathRegs <= kThreads * ((65536 / kThreads) & ~7),
                 "the math warpgroups' setmaxnreg.inc must be covered by the producer's dec");
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K, B_BYTES = BLOCK_N * BLOCK_K;
@@ -223,10 +225,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) k_grouped_fp8_gemm_kernel(co
         for (int j = 0; j < blocks; ++j) {
           pipe.consumer_wait(st);
           issue(part0, st);
+          // The row scales read while the wgmma runs (two registers; the 32 column scales do not fit beside
+          // the two fragments in 160 registers and are read by the promotion).
+          const float* s = reinterpret_cast<const float*>(smem + Cfg::OFF_S + slot * Cfg::S_BYTES);
+          const float sa0 = s[64 * mwg + r0], sa1 = s[64 * mwg + r0 + 8];
           wgmma_wait<0>();
           fence_regs(part0);
           pipe.consumer_release(st, lane);
-          promote(part0, slot);
+          promote_row_col_scaled(acc, part0, sa0, sa1, s + Cfg::BLOCK_M + 2 * (lane % 4));
           st.advance();
           slot = next_slot(slot);
         }
