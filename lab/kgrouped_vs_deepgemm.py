@@ -55,7 +55,10 @@ def main():
     ap.add_argument("--dist", default="paper")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--block-m", type=int, default=0,
+                    help="our output tile's rows (128 or 192; 0: the default, and no block_m argument passed)")
     args = ap.parse_args()
+    tile = {"block_m": args.block_m} if args.block_m else {}  # builds before the block_m argument take none
     import deep_gemm
 
     rows = []
@@ -66,7 +69,7 @@ def main():
         ks, ks_t, dg_a, dg_b = w.ks, w.ks_t, w.dg_a, w.dg_b
         c0 = torch.randn(G, N, K, device="cuda")
         ours_d, dg_d = c0.clone(), c0.clone()
-        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours_d, accumulate=True)
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=ours_d, accumulate=True, **tile)
         deep_gemm.k_grouped_fp8_gemm_nt_contiguous(dg_a, dg_b, dg_d, ks, ks_t, dg_d)
         torch.cuda.synchronize()
         bitexact = torch.equal(ours_d, dg_d)
@@ -80,9 +83,9 @@ def main():
         dy16[idx], x16[idx] = dy, x
         main_grad = c0.clone()
         fns = {
-            "ours_fp32acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=main_grad, accumulate=True),
+            "ours_fp32acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out=main_grad, accumulate=True, **tile),
             "deepgemm_fp32acc": lambda: deep_gemm.k_grouped_fp8_gemm_nt_contiguous(dg_a, dg_b, dg_d, ks, ks_t, dg_d),
-            "ours_bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16),
+            "ours_bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, sizes, out_dtype=torch.bfloat16, **tile),
             "bf16_grouped_mm": lambda: torch._grouped_mm(dy16.t(), x16, offs=offs16),
         }
         times = common.bench_interleaved(fns, iters=args.iters)

@@ -238,6 +238,7 @@ def k_grouped_fp8_gemm(
     *,
     num_groups: Optional[int] = None,
     m_total: Optional[int] = None,
+    block_m: int = 0,
 ) -> torch.Tensor:
     """Weight gradient `out[g] = dY_g^T . X_g` over each group's own tokens (any count, 0 included).
 
@@ -256,21 +257,25 @@ def k_grouped_fp8_gemm(
     (a given `out` keeps its own dtype, FP32 or BF16). `out` must be contiguous; a 16-byte aligned `out` is written
     through TMA stores (and read by TMA when accumulating), any other one (e.g. a main_grad view at an odd float
     offset) element by element from registers: the same values.
+    block_m: the output tile's rows, for tuning and comparison only (both tiles give the same bits): 0 the default
+    (128), 128, or 192 (three math warpgroups; 128 where the groups do not fit its shared memory).
     """
+    if block_m not in (0, 128, 192):
+        raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
     groups, _, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate,
                                             out_dtype, m_total)
-    return run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, out_dtype, backend)
+    return run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, out_dtype, backend, block_m)
 
 
 def run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups: Groups, out=None, accumulate=False,
-                  out_dtype=torch.float32, backend="auto"):
+                  out_dtype=torch.float32, backend="auto", block_m=0):
     """`k_grouped_fp8_gemm` on arguments that are valid by construction (as `run_m_grouped`): no argument rules
     run here; the op's precondition checks still guard the kernel."""
     device = dy_t.device
     if out is None:
         out = torch.empty((groups.num_groups, dy_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=device)
     if _ext.use_cuda(backend, device):
-        _ext.op("k_grouped_fp8_gemm_out")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out, accumulate)
+        _ext.op("k_grouped_fp8_gemm_out")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out, accumulate, block_m)
         return out
     from . import reference
 
@@ -286,5 +291,5 @@ def run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups: Groups, out=None, 
 if _ext.has_extension():
 
     @torch.library.register_fake("megatron_tma::k_grouped_fp8_gemm_out")
-    def _(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate):  # mutates `out` only
+    def _(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, block_m=0):  # mutates `out` only
         return None

@@ -215,6 +215,7 @@ K_BAD = [
     ("accumulate without out", lambda a: a.update(accumulate=True), ValueError,
      "accumulate=True needs the FP32 buffer"),
     ("out_dtype", lambda a: a.update(out_dtype=torch.float16), TypeError, "out_dtype must be"),
+    ("block_m", lambda a: a.update(block_m=64), ValueError, r"block_m must be 0 \(auto\), 128 or 192, got 64"),
 ]
 
 

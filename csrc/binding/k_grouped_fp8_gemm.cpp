@@ -25,7 +25,9 @@ void check_token_major(const at::Tensor& t, const char* name) {
 
 void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scales, const at::Tensor& x_t,
                             const at::Tensor& x_t_scales, const at::Tensor& groups, at::Tensor& out,
-                            bool accumulate) {
+                            bool accumulate, int64_t block_m) {
+  TORCH_CHECK_VALUE(block_m == 0 || block_m == 128 || block_m == 192, "block_m must be 0 (auto), 128 or 192, got ",
+                    block_m);
   check_token_major(dy_t, "dy_t");
   check_token_major(x_t, "x_t");
   const int64_t N = dy_t.size(0), P = dy_t.size(1), K = x_t.size(0);
@@ -75,6 +77,7 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
   args.k = static_cast<int>(K);
   args.groups = {groups.data_ptr(), static_cast<int>(G), groups.scalar_type() == at::kLong ? 1 : 0,
                  groups.numel() == G + 1 ? 1 : 0};
+  args.block_m = static_cast<int>(block_m);
   const cudaError_t err = megatron_tma::k_grouped_fp8_gemm(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "k_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
 }
@@ -84,7 +87,7 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
   m.def(
       "k_grouped_fp8_gemm_out(Tensor dy_t, Tensor dy_t_scales, Tensor x_t, Tensor x_t_scales, Tensor groups, "
-      "Tensor(a!) out, bool accumulate) -> ()");
+      "Tensor(a!) out, bool accumulate, int block_m=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("k_grouped_fp8_gemm_out", &k_grouped_fp8_gemm_out); }

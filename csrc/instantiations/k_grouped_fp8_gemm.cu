@@ -1,9 +1,6 @@
 // Host launcher and instantiations of the K-grouped FP8 GEMM kernel (kernels/k_grouped_fp8_gemm.cuh): one
 // kernel, instantiated per output kind (BF16, FP32, FP32 accumulate) and tile (128 x 128 with two math
 // warpgroups, 192 x 128 with three).
-#include <cstdlib>
-#include <cstring>
-
 #include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
 #include "megatron_tma/kernels/k_grouped_fp8_gemm.cuh"
@@ -46,17 +43,12 @@ cudaError_t launch(const KGroupedGemmParams& p, int math_warpgroups, cudaStream_
   return math_warpgroups == 3 ? launch<kOut, 3>(p, stream) : launch<kOut, 2>(p, stream);
 }
 
-// The tile: 192 x 128 (three math warpgroups) only where MEGATRON_TMA_KGROUPED_TILE=192 asks for it and the groups
-// fit its shared memory; 128 x 128 otherwise. (A lab switch, read once per process, until measurements give the
-// choice per shape.)
-int math_warpgroups(int num_groups, bool out_bf16) {
-  static const bool wide = [] {
-    const char* v = std::getenv("MEGATRON_TMA_KGROUPED_TILE");
-    return v != nullptr && std::strcmp(v, "192") == 0;
-  }();
+// The tile: 192 x 128 (three math warpgroups) where the caller asks for it (block_m = 192) and the groups fit its
+// shared memory; 128 x 128 otherwise, and by default until measurements give the choice per shape.
+int math_warpgroups(int block_m, int num_groups, bool out_bf16) {
   const int max_groups = out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16, 3>::kTileMaxGroups
                                   : KGroupedGemmConfig<KGroupedOut::kF32, 3>::kTileMaxGroups;
-  return wide && num_groups <= max_groups ? 3 : 2;
+  return block_m == 192 && num_groups <= max_groups ? 3 : 2;
 }
 }  // namespace
 
@@ -66,13 +58,15 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   const int G = args.groups.num_groups;
   if (G < 1 || G > k_grouped_fp8_gemm_max_groups() || args.n <= 0 || args.n % 16 != 0 || args.k <= 0 ||
       args.k % 16 != 0 || args.p_tokens < 16 || args.p_tokens % 16 != 0 || args.pitch < args.p_tokens ||
-      args.pitch % 16 != 0 || args.num_blocks_max < G || (args.accumulate && args.out_bf16))
+      args.pitch % 16 != 0 || args.num_blocks_max < G || (args.accumulate && args.out_bf16) ||
+      (args.block_m != 0 && args.block_m != 128 && args.block_m != 192))
     return cudaErrorInvalidValue;
   KGroupedGemmParams p{};
   cudaError_t err;
   // One block per TMA box: the tile's rows of dY^T and of X^T (its output columns), and their scales.
-  const int mwg = math_warpgroups(G, args.out_bf16);
-  const int box_m = mwg == 3 ? KGroupedGemmConfig<KGroupedOut::kF32, 3>::BLOCK_M : KGroupedGemmConfig<KGroupedOut::kF32, 2>::BLOCK_M;
+  const int mwg = math_warpgroups(args.block_m, G, args.out_bf16);
+  const int box_m = mwg == 3 ? KGroupedGemmConfig<KGroupedOut::kF32, 3>::BLOCK_M
+                              : KGroupedGemmConfig<KGroupedOut::kF32, 2>::BLOCK_M;
   const int box_n = args.out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16>::BLOCK_N
                                   : KGroupedGemmConfig<KGroupedOut::kF32>::BLOCK_N;
   if ((err = encode_token_major(&p.a, args.a, args.p_tokens, args.n, args.pitch, box_m)) != cudaSuccess) return err;

@@ -17,6 +17,8 @@ struct KGroupedGemmArgs {
   int out_bf16, accumulate;
   int n, k;
   GroupsArg groups;
+  int block_m;            // output tile rows: 0 the default (128), 128, or 192 (three math warpgroups; 128 where the
+                          // groups do not fit its shared memory)
 };
 
 cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream);
