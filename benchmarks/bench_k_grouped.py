@@ -41,7 +41,9 @@ bytes = the FP8 operands and their token-block scales plus the output: 2 bytes p
 4 read + 4 written for the FP32 accumulate), ours_over_roofline, tokens_per_group (M / G), bitexact (ours equals
 the padded GEMM, torch.equal on the same output kind; the FP32 rows accumulate into the same non-zero C) and
 speedup_vs_<base> (base_ms / ours_ms) for each baseline the row has (with DeepGEMM: deepgemm_ms,
-deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows).
+deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows). Our kernel's other tile
+(block_m=192, three math warpgroups) is timed beside the default on every row, not as a baseline: ours_m192_ms,
+m192_bitexact (torch.equal with the default tile's output) and ours_m192_vs_ours (ours_ms / ours_m192_ms).
 
     python benchmarks/bench_k_grouped.py [--quick] [--iters 25] [--out DIR]
 """
@@ -66,6 +68,9 @@ METHODS = {"bf16": ("ours", "padded_path", "padded_gemm", "torch_rowwise", "bf16
            "fp32_acc": ("ours", "padded_path", "padded_gemm", "bf16_fp32_acc")}
 # Baselines timed only where their library imports (timing_plan's deepgemm=True): DeepGEMM writes FP32 only.
 OPTIONAL_METHODS = {"bf16": (), "fp32_acc": ("deepgemm",)}
+# Our kernel on its other tile (block_m=192: three math warpgroups, 192 x 128), timed beside the default for the tile
+# choice; not a baseline (its bits must be ours: m192_bitexact; ours_m192_vs_ours = ours_ms / ours_m192_ms).
+TILE_METHODS = {"bf16": ("ours_m192",), "fp32_acc": ("ours_m192",)}
 # Output bytes per [G, N, K] element in the roofline: BF16 written; FP32 main_grad read and written.
 OUT_BYTES = {"bf16": 2, "fp32_acc": 8}
 BIG_GROUP_TOKENS = 2048  # the issue's "large groups" (geomean target): M >= 2048 G, as check-targets filters
@@ -145,7 +150,7 @@ def timing_plan(configs, deepgemm: bool = False) -> list:
     the first configuration of its (M, N, K); deepgemm@fp32_acc when deepgemm=True (deep_gemm imports)."""
     seen, plan = set(), []
     for (G, M, N, K), _dist in configs:
-        plan.append([f"{m}@{kind}" for kind in OUT_KINDS for m in methods(kind, deepgemm)
+        plan.append([f"{m}@{kind}" for kind in OUT_KINDS for m in methods(kind, deepgemm) + TILE_METHODS[kind]
                      if not (m == "dense_cublas" and (M, N, K) in seen)])
         seen.add((M, N, K))
     return plan
@@ -177,6 +182,8 @@ def finish_row(row: dict) -> dict:
         for base in methods(row["out"], deepgemm=True)[1:]:
             if row.get(f"{base}_ms"):
                 row[f"speedup_vs_{base}"] = round(row[f"{base}_ms"] / row["ours_ms"], 4)
+        if row.get("ours_m192_ms"):
+            row["ours_m192_vs_ours"] = round(row["ours_ms"] / row["ours_m192_ms"], 4)
     return row
 
 
@@ -220,6 +227,12 @@ def summarize(rows) -> dict:
     s["geomean_vs_deepgemm"], s["min_vs_deepgemm"] = _gm(dg), _min(dg)
     dg_bits = [r["deepgemm_bitexact"] for r in rows if "deepgemm_bitexact" in r]
     s["all_deepgemm_bitexact"] = all(b is True for b in dg_bits) if dg_bits else None
+    for kind in OUT_KINDS:  # the 192-row tile against the default, on every row and on large groups
+        m192 = [r for r in rows if r["out"] == kind]
+        s[f"geomean_ours_m192_vs_ours_{kind}"] = _gm([r.get("ours_m192_vs_ours") for r in m192])
+        s[f"geomean_ours_m192_vs_ours_big_groups_{kind}"] = _gm([r.get("ours_m192_vs_ours") for r in m192 if is_big(r)])
+    m192_bits = [r["m192_bitexact"] for r in rows if "m192_bitexact" in r]
+    s["all_m192_bitexact"] = all(b is True for b in m192_bits) if m192_bits else None
     return s
 
 
@@ -308,6 +321,13 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
     k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_ours, accumulate=True)
     k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, out=c_pad, accumulate=True)
     rows["fp32_acc"]["bitexact"] = bool(torch.equal(c_ours, c_pad))
+    if "ours_m192@fp32_acc" in names:  # the other tile's bits against the default tile's
+        k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_pad.copy_(main_grad), accumulate=True, block_m=192)
+        rows["fp32_acc"]["m192_bitexact"] = bool(torch.equal(c_pad, c_ours))
+    if "ours_m192@bf16" in names:
+        rows["bf16"]["m192_bitexact"] = bool(torch.equal(
+            k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=192),
+            k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16)))
     del c_pad
 
     # DeepGEMM's operands (built here, not timed); this untimed call is also its JIT warm-up for the shape.
@@ -352,6 +372,8 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
                                                                out_dtype=bf16),
         "bf16@bf16": lambda: torch._grouped_mm(dy16.t(), x16, offs=offs16),
         "ours@fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, **acc),
+        "ours_m192@bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=192),
+        "ours_m192@fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, block_m=192, **acc),
         "padded_path@fp32_acc": lambda: padded_path(**acc),
         "padded_gemm@fp32_acc": lambda: k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, **acc),
         "bf16_fp32_acc@fp32_acc": lambda: main_grad.add_(torch._grouped_mm(dy16.t(), x16, offs=offs16)),

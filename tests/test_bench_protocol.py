@@ -155,9 +155,9 @@ def test_k_grouped_timing_plan_and_call_count():
     assert sum(n.count("dense_cublas@bf16") for n in plan) == len(shapes)  # once per (M, N, K)
     for names in plan:
         assert {n for n in names if not n.startswith("dense_cublas")} == {
-            f"{m}@{k}" for k in bkg.OUT_KINDS for m in bkg.METHODS[k] if m != "dense_cublas"}
-    assert bkg.timed_calls(full, 25) == 25 * (30 * 9 + len(shapes)) == 7000
-    assert bkg.timed_calls([(c, "paper") for c in TABLE], 25) == 25 * 5 * 10
+            f"{m}@{k}" for k in bkg.OUT_KINDS for m in bkg.METHODS[k] + bkg.TILE_METHODS[k] if m != "dense_cublas"}
+    assert bkg.timed_calls(full, 25) == 25 * (30 * 11 + len(shapes)) == 8500
+    assert bkg.timed_calls([(c, "paper") for c in TABLE], 25) == 25 * 5 * 12
 
 
 def _rows_of(G, M, results, bitexact=(True, True)):
@@ -260,6 +260,7 @@ def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
         assert r["bitexact"] is True, r
         assert r["tokens_per_group"] == 140 and r["roofline_ms"] > 0 and r["ours_over_roofline"] > 0
         assert "speedup_vs_padded_path" in r and "speedup_vs_padded_gemm" in r
+        assert r["m192_bitexact"] is True and r["ours_m192_ms"] > 0 and r["ours_m192_vs_ours"] > 0
         if r["out"] == "bf16":
             assert "bf16_ms" in r and "speedup_vs_bf16" in r and "dense_cublas_ms" in r
             assert "torch_rowwise_ms" in r or "torch_rowwise_error" in r  # no _scaled_grouped_mm on the CPU
