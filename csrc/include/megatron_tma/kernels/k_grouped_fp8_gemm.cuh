@@ -68,7 +68,7 @@ struct KGroupedGemmConfig {
   // Two warpgroups (128 x 128): two partial fragments each, block j+1 on the tensor cores while block j is promoted.
   // Three (192 x 128, the M-grouped kernel's best tile on large groups): 160 registers leave room for one partial
   // fragment, retired and promoted after each block; while one warpgroup promotes, the other two keep the tensor
-  // cores busy, and each X^T tile serves 192 rows instead of 128 (a third fewer operand bytes per MAC). (Measured
+  // cores busy, and each X^T tile serves 192 rows instead of 128 (a sixth fewer operand bytes per MAC). (Measured
   // against DeepGEMM's choice, 160 columns with one fragment and 3 stages: 4-14% slower on groups of >= 2048
   // tokens; benchmarks/NOTES.md.)
   static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
