@@ -41,9 +41,11 @@ bytes = the FP8 operands and their token-block scales plus the output: 2 bytes p
 4 read + 4 written for the FP32 accumulate), ours_over_roofline, tokens_per_group (M / G), bitexact (ours equals
 the padded GEMM, torch.equal on the same output kind; the FP32 rows accumulate into the same non-zero C) and
 speedup_vs_<base> (base_ms / ours_ms) for each baseline the row has (with DeepGEMM: deepgemm_ms,
-deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows). Our kernel's other tile
-(block_m=192, three math warpgroups) is timed beside the default on every row, not as a baseline: ours_m192_ms,
-m192_bitexact (torch.equal with the default tile's output) and ours_m192_vs_ours (ours_ms / ours_m192_ms).
+deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows). Our kernel's two tiles are timed beside the default on every
+row, not as baselines: ours_block_m (the rows the default takes, megatron_tma.gemm.k_grouped_tile), ours_m128_ms
+and ours_m192_ms (block_m forced), m128_bitexact / m192_bitexact (torch.equal with the default's output),
+ours_m192_vs_m128 (m128_ms / m192_ms) and ours_vs_best_tile (the faster forced tile's ms / ours_ms: below 1 where
+the default chose the slower tile).
 
     python benchmarks/bench_k_grouped.py [--quick] [--iters 25] [--out DIR]
 """
@@ -59,7 +61,7 @@ import deepgemm_baseline  # noqa: E402
 from bench_m_grouped import DISTS, MORE, TABLE, geomean, rowwise_fp8  # noqa: E402
 
 from megatron_tma import quant  # noqa: E402
-from megatron_tma.gemm import k_grouped_fp8_gemm  # noqa: E402
+from megatron_tma.gemm import k_grouped_fp8_gemm, k_grouped_tile  # noqa: E402
 from megatron_tma.groups import WGRAD_ALIGN, make_group_sizes, wgrad_pitch  # noqa: E402
 
 OUT_KINDS = ("bf16", "fp32_acc")
@@ -68,9 +70,9 @@ METHODS = {"bf16": ("ours", "padded_path", "padded_gemm", "torch_rowwise", "bf16
            "fp32_acc": ("ours", "padded_path", "padded_gemm", "bf16_fp32_acc")}
 # Baselines timed only where their library imports (timing_plan's deepgemm=True): DeepGEMM writes FP32 only.
 OPTIONAL_METHODS = {"bf16": (), "fp32_acc": ("deepgemm",)}
-# Our kernel on its other tile (block_m=192: three math warpgroups, 192 x 128), timed beside the default for the tile
-# choice; not a baseline (its bits must be ours: m192_bitexact; ours_m192_vs_ours = ours_ms / ours_m192_ms).
-TILE_METHODS = {"bf16": ("ours_m192",), "fp32_acc": ("ours_m192",)}
+# Our kernel on each tile forced (block_m=128: two math warpgroups; 192: three), timed beside the default to check
+# the tile choice; not baselines (their bits must be ours: m128_bitexact, m192_bitexact).
+TILE_METHODS = {"bf16": ("ours_m128", "ours_m192"), "fp32_acc": ("ours_m128", "ours_m192")}
 # Output bytes per [G, N, K] element in the roofline: BF16 written; FP32 main_grad read and written.
 OUT_BYTES = {"bf16": 2, "fp32_acc": 8}
 BIG_GROUP_TOKENS = 2048  # the issue's "large groups" (geomean target): M >= 2048 G, as check-targets filters
@@ -182,8 +184,9 @@ def finish_row(row: dict) -> dict:
         for base in methods(row["out"], deepgemm=True)[1:]:
             if row.get(f"{base}_ms"):
                 row[f"speedup_vs_{base}"] = round(row[f"{base}_ms"] / row["ours_ms"], 4)
-        if row.get("ours_m192_ms"):
-            row["ours_m192_vs_ours"] = round(row["ours_ms"] / row["ours_m192_ms"], 4)
+        if row.get("ours_m128_ms") and row.get("ours_m192_ms"):
+            row["ours_m192_vs_m128"] = round(row["ours_m128_ms"] / row["ours_m192_ms"], 4)
+            row["ours_vs_best_tile"] = round(min(row["ours_m128_ms"], row["ours_m192_ms"]) / row["ours_ms"], 4)
     return row
 
 
@@ -227,12 +230,13 @@ def summarize(rows) -> dict:
     s["geomean_vs_deepgemm"], s["min_vs_deepgemm"] = _gm(dg), _min(dg)
     dg_bits = [r["deepgemm_bitexact"] for r in rows if "deepgemm_bitexact" in r]
     s["all_deepgemm_bitexact"] = all(b is True for b in dg_bits) if dg_bits else None
-    for kind in OUT_KINDS:  # the 192-row tile against the default, on every row and on large groups
-        m192 = [r for r in rows if r["out"] == kind]
-        s[f"geomean_ours_m192_vs_ours_{kind}"] = _gm([r.get("ours_m192_vs_ours") for r in m192])
-        s[f"geomean_ours_m192_vs_ours_big_groups_{kind}"] = _gm([r.get("ours_m192_vs_ours") for r in m192 if is_big(r)])
-    m192_bits = [r["m192_bitexact"] for r in rows if "m192_bitexact" in r]
-    s["all_m192_bitexact"] = all(b is True for b in m192_bits) if m192_bits else None
+    for kind in OUT_KINDS:  # the 192-row tile against the 128-row one, on every row and on large groups
+        rs = [r for r in rows if r["out"] == kind]
+        s[f"geomean_ours_m192_vs_m128_{kind}"] = _gm([r.get("ours_m192_vs_m128") for r in rs])
+        s[f"geomean_ours_m192_vs_m128_big_groups_{kind}"] = _gm([r.get("ours_m192_vs_m128") for r in rs if is_big(r)])
+    s["min_ours_vs_best_tile"] = _min([r.get("ours_vs_best_tile") for r in rows])
+    tile_bits = [r[f"m{b}_bitexact"] for r in rows for b in (128, 192) if f"m{b}_bitexact" in r]
+    s["all_tiles_bitexact"] = all(b is True for b in tile_bits) if tile_bits else None
     return s
 
 
@@ -321,13 +325,19 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
     k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_ours, accumulate=True)
     k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, out=c_pad, accumulate=True)
     rows["fp32_acc"]["bitexact"] = bool(torch.equal(c_ours, c_pad))
-    if "ours_m192@fp32_acc" in names:  # the other tile's bits against the default tile's
-        k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_pad.copy_(main_grad), accumulate=True, block_m=192)
-        rows["fp32_acc"]["m192_bitexact"] = bool(torch.equal(c_pad, c_ours))
-    if "ours_m192@bf16" in names:
-        rows["bf16"]["m192_bitexact"] = bool(torch.equal(
-            k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=192),
-            k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16)))
+    for kind, out_dtype in (("bf16", bf16), ("fp32_acc", torch.float32)):  # each forced tile's bits: the default's
+        if dev == "cuda":  # the reference backend (the CPU dry run) has no tiles
+            rows[kind]["ours_block_m"] = k_grouped_tile(N, K, G, out_dtype)[0]
+        for bm in (128, 192):
+            if f"ours_m{bm}@{kind}" not in names:
+                continue
+            if kind == "bf16":
+                same = torch.equal(k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=bm),
+                                   k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16))
+            else:
+                k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out=c_pad.copy_(main_grad), accumulate=True, block_m=bm)
+                same = torch.equal(c_pad, c_ours)
+            rows[kind][f"m{bm}_bitexact"] = bool(same)
     del c_pad
 
     # DeepGEMM's operands (built here, not timed); this untimed call is also its JIT warm-up for the shape.
@@ -372,7 +382,9 @@ def run_config(G, M, N, K, dist, seed, iters, ceilings, names, dense_cache, dev=
                                                                out_dtype=bf16),
         "bf16@bf16": lambda: torch._grouped_mm(dy16.t(), x16, offs=offs16),
         "ours@fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, **acc),
+        "ours_m128@bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=128),
         "ours_m192@bf16": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, out_dtype=bf16, block_m=192),
+        "ours_m128@fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, block_m=128, **acc),
         "ours_m192@fp32_acc": lambda: k_grouped_fp8_gemm(dyt, dys, xt, xs, groups, block_m=192, **acc),
         "padded_path@fp32_acc": lambda: padded_path(**acc),
         "padded_gemm@fp32_acc": lambda: k_grouped_fp8_gemm(dyt_p, dys_p, xt_p, xs_p, pgroups, **acc),
@@ -441,10 +453,12 @@ def main():
         rows += [bf, fa]
         print(f"    bf16: ours {bf.get('ours_ms')} ms ({bf.get('ours_over_roofline')}x roofline), "
               f"x{bf.get('speedup_vs_bf16')} vs bf16, x{bf.get('speedup_vs_torch_rowwise')} vs torch rowwise, "
-              f"x{bf.get('speedup_vs_padded_path')} vs padded path, bitexact={bf['bitexact']}", flush=True)
+              f"x{bf.get('speedup_vs_padded_path')} vs padded path, bitexact={bf['bitexact']}, "
+              f"tile rows {bf.get('ours_block_m')} (192 vs 128: x{bf.get('ours_m192_vs_m128')})", flush=True)
         print(f"    fp32_acc: ours {fa.get('ours_ms')} ms ({fa.get('ours_over_roofline')}x roofline), "
               f"x{fa.get('speedup_vs_padded_path')} vs padded path, x{fa.get('speedup_vs_bf16_fp32_acc')} vs "
-              f"bf16 + add, bitexact={fa['bitexact']}"
+              f"bf16 + add, bitexact={fa['bitexact']}, tile rows {fa.get('ours_block_m')} (192 vs 128: "
+              f"x{fa.get('ours_m192_vs_m128')})"
               + (f", x{fa.get('speedup_vs_deepgemm')} vs DeepGEMM (bitexact={fa.get('deepgemm_bitexact')})"
                  if dg is not None else ""), flush=True)
         for r in (bf, fa):

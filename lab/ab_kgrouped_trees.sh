@@ -32,13 +32,14 @@ done
 wait; echo "built in $(( $(date +%s) - t0 )) s"
 for t in "${trees[@]}"; do ls "$t"/megatron_tma/_C*.so > /dev/null || exit 1; done
 source /tmp/dg/env.sh
+base_path=$PYTHONPATH  # .site, this tree and DeepGEMM's install, from env.sh
 for r in $(seq 1 "${ROUNDS:-2}"); do
   order=("${names[@]:$(( (r - 1) % ${#names[@]} ))}" "${names[@]:0:$(( (r - 1) % ${#names[@]} ))}")
   for n in "${order[@]}"; do
     # The tree's own package and build (its Python may differ from this one's); the timing script is this tree's.
     pkg=$(cd "${tree[$n]}" && pwd)
     echo "== round $r: $n ${env[$n]} ${args[$n]} ($(( $(date +%s) - t0 )) s)"
-    env ${env[$n]} PYTHONPATH="$pkg:$PWD/.site" timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py \
+    env ${env[$n]} PYTHONPATH="$pkg:$base_path" timeout ${RUN_TIMEOUT:-60} python3 lab/kgrouped_vs_deepgemm.py \
       --iters ${ITERS:-20} ${args[$n]} 2>&1 | grep -v -i warn | tail -6
   done
 done

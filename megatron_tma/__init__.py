@@ -5,7 +5,7 @@ Public API (all take device group sizes/offsets; none reads them on the host):
     quantize_1x128_and_grouped_128x1                            (megatron_tma.quant, one read of x)
     m_grouped_fp8_gemm, k_grouped_fp8_gemm                      (megatron_tma.gemm)
     padded_m_grouped_fp8_gemm                                   (megatron_tma.padding: the padded baseline)
-    m_grouped_tile                                              (megatron_tma.gemm, the tile a call would use)
+    m_grouped_tile, k_grouped_tile                              (megatron_tma.gemm, the tile a call would use)
     fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
     GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
     activation_times_probs                                      (megatron_tma.activation, fused on Hopper)
@@ -23,7 +23,7 @@ def __getattr__(name):
         from . import quant
 
         return getattr(quant, name)
-    if name in ("m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "m_grouped_tile"):
+    if name in ("m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "m_grouped_tile", "k_grouped_tile"):
         from . import gemm
 
         return getattr(gemm, name)

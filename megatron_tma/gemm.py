@@ -258,7 +258,8 @@ def k_grouped_fp8_gemm(
     through TMA stores (and read by TMA when accumulating), any other one (e.g. a main_grad view at an odd float
     offset) element by element from registers: the same values.
     block_m: the output tile's rows, for tuning and comparison only (both tiles give the same bits): 0 the default
-    (128), 128, or 192 (three math warpgroups; 128 where the groups do not fit its shared memory).
+    (`k_grouped_tile(N, K, G, out_dtype)`: a wave model on N, K, G alone, no sync), 128, or 192 (three math
+    warpgroups; 128 where the groups do not fit its shared memory).
     """
     if block_m not in (0, 128, 192):
         raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
@@ -286,6 +287,19 @@ def run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups: Groups, out=None, 
     if result is not out:
         out.copy_(result)
     return out
+
+
+def k_grouped_tile(n: int, k: int, num_groups: int, out_dtype=torch.float32, block_m: int = 0, device=None):
+    """(block_m, block_n) of the output tile `k_grouped_fp8_gemm` launches for an [G, N, K] output of `out_dtype`
+    on `device` (default: the current CUDA device): the forced rows, or for 0 the default that
+    csrc/include/megatron_tma/scheduler/k_grouped_tile_choice.h picks. Needs the CUDA extension."""
+    if not _ext.has_extension():
+        raise RuntimeError("k_grouped_tile needs the CUDA extension (python setup.py build_ext --inplace)")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+    with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+        bm, bn = _ext.ops().k_grouped_fp8_gemm_tile(n, k, num_groups, out_dtype == torch.bfloat16, block_m)
+    return int(bm), int(bn)
 
 
 if _ext.has_extension():

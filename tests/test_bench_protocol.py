@@ -156,8 +156,8 @@ def test_k_grouped_timing_plan_and_call_count():
     for names in plan:
         assert {n for n in names if not n.startswith("dense_cublas")} == {
             f"{m}@{k}" for k in bkg.OUT_KINDS for m in bkg.METHODS[k] + bkg.TILE_METHODS[k] if m != "dense_cublas"}
-    assert bkg.timed_calls(full, 25) == 25 * (30 * 11 + len(shapes)) == 8500
-    assert bkg.timed_calls([(c, "paper") for c in TABLE], 25) == 25 * 5 * 12
+    assert bkg.timed_calls(full, 25) == 25 * (30 * 13 + len(shapes)) == 10000
+    assert bkg.timed_calls([(c, "paper") for c in TABLE], 25) == 25 * 5 * 14
 
 
 def _rows_of(G, M, results, bitexact=(True, True)):
@@ -213,6 +213,26 @@ def test_k_grouped_summary_filters():
     rows[3]["bitexact"] = False
     assert bkg.summarize(rows)["all_bitexact"] is False
     assert bkg.summarize([])["geomean_vs_bf16"] is None
+    assert s["min_ours_vs_best_tile"] is None and s["all_tiles_bitexact"] is None  # no tile columns in these rows
+
+
+def test_k_grouped_tile_columns():
+    # the default (ours) against each forced tile: 192 rows faster on the first row, 128 on the second, where the
+    # default took the slower tile (ours_vs_best_tile < 1)
+    rows = []
+    for ours, m128, m192 in ((0.9, 1.0, 0.9), (1.1, 1.0, 1.1)):
+        rows += _rows_of(8, 16384, {"ours@bf16": ours, "ours_m128@bf16": m128, "ours_m192@bf16": m192,
+                                    "ours@fp32_acc": 2.0, "ours_m128@fp32_acc": 2.0, "ours_m192@fp32_acc": 2.0})
+    assert [r["ours_m192_vs_m128"] for r in rows] == [1.1111, 1.0, 0.9091, 1.0]
+    assert [r["ours_vs_best_tile"] for r in rows] == [1.0, 1.0, 0.9091, 1.0]
+    for r in rows:
+        r["m128_bitexact"] = r["m192_bitexact"] = True
+    s = bkg.summarize(rows)
+    assert s["min_ours_vs_best_tile"] == 0.9091 and s["all_tiles_bitexact"] is True
+    assert s["geomean_ours_m192_vs_m128_bf16"] == pytest.approx((1.1111 * 0.9091) ** 0.5, abs=1e-4)
+    assert s["geomean_ours_m192_vs_m128_fp32_acc"] == 1.0
+    rows[3]["m192_bitexact"] = False
+    assert bkg.summarize(rows)["all_tiles_bitexact"] is False
 
 
 def test_k_grouped_rows_read_by_check_targets(tmp_path, monkeypatch):
@@ -260,7 +280,9 @@ def test_k_grouped_run_config_dry_run_on_the_cpu(monkeypatch, dist):
         assert r["bitexact"] is True, r
         assert r["tokens_per_group"] == 140 and r["roofline_ms"] > 0 and r["ours_over_roofline"] > 0
         assert "speedup_vs_padded_path" in r and "speedup_vs_padded_gemm" in r
-        assert r["m192_bitexact"] is True and r["ours_m192_ms"] > 0 and r["ours_m192_vs_ours"] > 0
+        assert r["m128_bitexact"] is True and r["m192_bitexact"] is True
+        assert r["ours_m128_ms"] > 0 and r["ours_m192_ms"] > 0 and r["ours_m192_vs_m128"] > 0
+        assert r["ours_vs_best_tile"] == round(min(r["ours_m128_ms"], r["ours_m192_ms"]) / r["ours_ms"], 4)
         if r["out"] == "bf16":
             assert "bf16_ms" in r and "speedup_vs_bf16" in r and "dense_cublas_ms" in r
             assert "torch_rowwise_ms" in r or "torch_rowwise_error" in r  # no _scaled_grouped_mm on the CPU

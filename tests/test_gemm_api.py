@@ -107,17 +107,18 @@ def test_k_grouped_out_at_an_element_offset(dtype, accumulate):
     assert torch.equal(odd, aligned)
 
 
-def test_m_grouped_tile_without_the_extension_says_what_it_needs():
-    """The tile query reads the launcher's choice, so it needs the built extension; elsewhere a clear error
-    (the choice itself is tested on the CPU in test_m_grouped_tile_choice.py, the query on the GPU)."""
+@pytest.mark.parametrize("name,args", [("m_grouped_tile", (65536, 4096, 8)), ("k_grouped_tile", (4096, 4096, 8))])
+def test_tile_queries_without_the_extension_say_what_they_need(name, args):
+    """The tile queries read the launchers' choice, so they need the built extension; elsewhere a clear error
+    (the choices themselves are tested on the CPU in test_{m,k}_grouped_tile_choice.py, the queries on the GPU)."""
     import megatron_tma
     from megatron_tma import _ext
 
-    assert megatron_tma.m_grouped_tile is megatron_tma.gemm.m_grouped_tile
+    assert getattr(megatron_tma, name) is getattr(megatron_tma.gemm, name)
     if _ext.has_extension():
-        pytest.skip("the extension is built here: tests/test_m_grouped_gpu.py covers the query")
-    with pytest.raises(RuntimeError, match="needs the CUDA extension"):
-        megatron_tma.m_grouped_tile(65536, 4096, 8)
+        pytest.skip("the extension is built here: tests/test_{m_grouped_gpu,k_grouped_tiles_gpu}.py cover the query")
+    with pytest.raises(RuntimeError, match=f"{name} needs the CUDA extension"):
+        getattr(megatron_tma, name)(*args)
 
 
 # ------------------------------------------------------------------------------------------------------------------

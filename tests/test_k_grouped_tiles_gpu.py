@@ -1,5 +1,5 @@
-"""The K-grouped GEMM's two tiles give the same bits: 128 x 128 (two math warpgroups, the default) and 192 x 128
-(three, `block_m=192`). Cases where the 192-row tile differs in what it does: N below 192 and N % 192 != 0
+"""The K-grouped GEMM's two tiles give the same bits: 128 x 128 (two math warpgroups, `block_m=128`) and 192 x 128
+(three, `block_m=192`), and the default (`block_m=0`) is the tile `k_grouped_tile` reports. Cases where the 192-row tile differs in what it does: N below 192 and N % 192 != 0
 (warpgroups whose rows are all past N), K off the 128-column grid, a D that is not 16-byte aligned (the register
 epilogue), accumulation with empty groups, FP32 and BF16 outputs, and the group count where the 192-row tile's
 shared memory runs out (975 fits, 976 runs 128 x 128). Skipped without a Hopper GPU + extension."""
@@ -8,7 +8,7 @@ import torch
 
 from megatron_tma import _ext
 from megatron_tma import reference as R
-from megatron_tma.gemm import k_grouped_fp8_gemm
+from megatron_tma.gemm import k_grouped_fp8_gemm, k_grouped_tile
 from megatron_tma.groups import make_group_sizes
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
@@ -48,5 +48,24 @@ def _outputs(case, block_m):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"G{c[0]}-N{c[2]}-K{c[3]}" for c in CASES])
 def test_192_row_tile_gives_the_128_row_tiles_bits(case):
-    for i, (a, b) in enumerate(zip(_outputs(case, 128), _outputs(case, 192), strict=True)):
-        assert a.dtype == b.dtype and not a.float().isnan().any() and torch.equal(a, b), f"output {i}"
+    ref = _outputs(case, 128)
+    for block_m in (192, 0):
+        for i, (a, b) in enumerate(zip(ref, _outputs(case, block_m), strict=True)):
+            assert a.dtype == b.dtype and not a.float().isnan().any() and torch.equal(a, b), (block_m, f"output {i}")
+
+
+def test_default_tile_reported_by_k_grouped_tile():
+    """The rows the launcher picks (scheduler/k_grouped_tile_choice.h, tested in full on the CPU) are what
+    k_grouped_tile reports, including the fallback where the 192-row tile's shared memory does not fit G's offsets."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert k_grouped_tile(4096, 4096, 8) == (192, 128)                     # many rounds of tiles
+    assert k_grouped_tile(4096, 4096, 8, torch.bfloat16) == (192, 128)
+    assert k_grouped_tile(256, 128, 1) == (128, 128)                       # less than one round
+    assert k_grouped_tile(4096, 4096, 8, block_m=128) == (128, 128)
+    assert k_grouped_tile(128, 128, 1, block_m=192) == (192, 128)
+    assert k_grouped_tile(384, 128, 975) == ((192, 128) if 975 * 3 > sms else (128, 128))
+    assert k_grouped_tile(384, 128, 976, block_m=192) == (128, 128)        # 976 offsets: no room
+    with pytest.raises(ValueError, match="block_m must be"):
+        k_grouped_tile(256, 256, 8, block_m=64)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        k_grouped_tile(256, 256, 8, torch.float16)

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "megatron_tma/host/k_grouped_fp8_gemm.h"
 
@@ -82,12 +83,24 @@ void k_grouped_fp8_gemm_out(const at::Tensor& dy_t, const at::Tensor& dy_t_scale
   TORCH_CHECK(err == cudaSuccess, "k_grouped_fp8_gemm launch failed: ", cudaGetErrorString(err));
 }
 
+// [block_m, block_n] of the tile k_grouped_fp8_gemm_out launches for these sizes (on the current device).
+std::vector<int64_t> k_grouped_fp8_gemm_tile(int64_t n, int64_t k, int64_t num_groups, bool out_bf16,
+                                             int64_t block_m) {
+  TORCH_CHECK_VALUE(n > 0 && k > 0 && num_groups >= 1, "n > 0, k > 0 and num_groups >= 1 are required");
+  const int bm = megatron_tma::k_grouped_fp8_gemm_block_m(n, k, static_cast<int>(num_groups), out_bf16,
+                                                          static_cast<int>(block_m));
+  TORCH_CHECK_VALUE(bm != 0, "block_m must be 0 (auto), 128 or 192, got ", block_m);
+  return {bm, 128};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
   m.def(
       "k_grouped_fp8_gemm_out(Tensor dy_t, Tensor dy_t_scales, Tensor x_t, Tensor x_t_scales, Tensor groups, "
       "Tensor(a!) out, bool accumulate, int block_m=0) -> ()");
+  m.def("k_grouped_fp8_gemm_tile(int n, int k, int num_groups, bool out_bf16=False, int block_m=0) -> int[]",
+        &k_grouped_fp8_gemm_tile);
 }
 
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("k_grouped_fp8_gemm_out", &k_grouped_fp8_gemm_out); }

@@ -43,16 +43,16 @@ cudaError_t launch(const KGroupedGemmParams& p, int math_warpgroups, cudaStream_
   return math_warpgroups == 3 ? launch<kOut, 3>(p, stream) : launch<kOut, 2>(p, stream);
 }
 
-// The tile: 192 x 128 (three math warpgroups) where the caller asks for it (block_m = 192) and the groups fit its
-// shared memory; 128 x 128 otherwise, and by default until measurements give the choice per shape.
-int math_warpgroups(int block_m, int num_groups, bool out_bf16) {
-  const int max_groups = out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16, 3>::kTileMaxGroups
-                                  : KGroupedGemmConfig<KGroupedOut::kF32, 3>::kTileMaxGroups;
-  return block_m == 192 && num_groups <= max_groups ? 3 : 2;
-}
 }  // namespace
 
 int k_grouped_fp8_gemm_max_groups() { return KGroupedGemmConfig<KGroupedOut::kBf16>::kMaxGroups; }
+
+int k_grouped_fp8_gemm_block_m(long long n, long long k, int num_groups, bool out_bf16, int block_m) {
+  if (block_m != 0 && block_m != 128 && block_m != 192) return 0;
+  const int max_groups_192 = out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16, 3>::kTileMaxGroups
+                                      : KGroupedGemmConfig<KGroupedOut::kF32, 3>::kTileMaxGroups;
+  return choose_k_grouped_block_m(block_m, n, k, num_groups, out_bf16, sm_count(), max_groups_192);
+}
 
 cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream) {
   const int G = args.groups.num_groups;
@@ -64,7 +64,7 @@ cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream
   KGroupedGemmParams p{};
   cudaError_t err;
   // One block per TMA box: the tile's rows of dY^T and of X^T (its output columns), and their scales.
-  const int mwg = math_warpgroups(args.block_m, G, args.out_bf16);
+  const int mwg = k_grouped_fp8_gemm_block_m(args.n, args.k, G, args.out_bf16, args.block_m) == 192 ? 3 : 2;
   const int box_m = mwg == 3 ? KGroupedGemmConfig<KGroupedOut::kF32, 3>::BLOCK_M
                               : KGroupedGemmConfig<KGroupedOut::kF32, 2>::BLOCK_M;
   const int box_n = args.out_bf16 ? KGroupedGemmConfig<KGroupedOut::kBf16>::BLOCK_N

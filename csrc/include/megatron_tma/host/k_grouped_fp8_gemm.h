@@ -2,6 +2,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include "megatron_tma/common/groups_arg.h"
+#include "megatron_tma/scheduler/k_grouped_tile_choice.h"
 
 namespace megatron_tma {
 
@@ -17,11 +18,15 @@ struct KGroupedGemmArgs {
   int out_bf16, accumulate;
   int n, k;
   GroupsArg groups;
-  int block_m;            // output tile rows: 0 the default (128), 128, or 192 (three math warpgroups; 128 where the
-                          // groups do not fit its shared memory)
+  int block_m;            // output tile rows: 0 the default (k_grouped_fp8_gemm_block_m), 128, or 192 (three math
+                          // warpgroups; 128 where the groups do not fit its shared memory)
 };
 
 cudaError_t k_grouped_fp8_gemm(const KGroupedGemmArgs& args, cudaStream_t stream);
 int k_grouped_fp8_gemm_max_groups();
+// The tile rows (128 or 192; tiles are 128 wide) a call with these arguments launches: the forced block_m, or with
+// 0 the default of scheduler/k_grouped_tile_choice.h for this device's SM count; 128 where the 192-row tile's
+// shared memory does not fit G's offsets. 0 for an invalid block_m.
+int k_grouped_fp8_gemm_block_m(long long n, long long k, int num_groups, bool out_bf16, int block_m);
 
 }  // namespace megatron_tma
