@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Lab: one device call (~7-9 minutes) that decides the K-grouped tile branches, run with the branch
-# `kgrouped-192x128` checked out (it holds the uniform-descriptor fix and the 192 x 128 tile as block_m=192):
+# `kgrouped-192x128` checked out (it holds the uniform-descriptor fix and the 192 x 128 tile as block_m=192).
+# Ran at 92cd967 (lab/results/kgrouped_ab_tiles-20261203.txt; merged as 4afbb18, where the default became the
+# tile of scheduler/k_grouped_tile_choice.h, so on main `head` and `m192` run the same kernel on these shapes):
 #   1. lab/ab_kgrouped_trees.sh: main (.ab/base), the branch's default tile (head), its 192-row tile (m192) and
 #      the 152-wide tile with the fix (.ab/wide, branch wgrad-wide152-uniform), each against DeepGEMM, 2 rounds;
 #   2. the K-grouped GPU tests on the branch's build (both tiles' bits, the suite, DeepGEMM's bits);
