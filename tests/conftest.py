@@ -1,4 +1,8 @@
-"""Shared fixtures: a generator seeded per test, group-size distributions and group formats, Megatron on the CPU."""
+"""Shared fixtures: a generator seeded per test, group-size distributions and group formats, Megatron on the CPU,
+the host-compiled drivers of the plain-C++ scheduler headers."""
+import os
+import shutil
+import subprocess
 import zlib
 
 import pytest
@@ -58,6 +62,24 @@ def debug_checks():
     set_debug_checks(True)
     yield
     set_debug_checks(None)
+
+
+@pytest.fixture(scope="module")
+def cpp_driver(tmp_path_factory):
+    """build(main) -> the path of tests/cpp/<main>.cpp compiled with the host compiler against csrc/include (the
+    torch- and CUDA-free headers, e.g. the tile choices), warnings as errors."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a host C++ compiler (g++) is needed: nvcc needs one too"
+
+    def build(main: str) -> str:
+        exe = str(tmp_path_factory.mktemp(main) / main)
+        subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I",
+                        os.path.join(root, "csrc", "include"), os.path.join(root, "tests", "cpp", f"{main}.cpp"),
+                        "-o", exe], check=True)
+        return exe
+
+    return build
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,18 @@ the CPU: the header is plain C++, compiled here with the host compiler into a sm
 (tests/cpp/k_grouped_tile_choice_main.cpp). The expected tiles on the benchmark grid are the measured ones of the
 grid at 92cd967 (benchmarks/results/k_grouped-20261203-1954.json: ours (128 rows) and ours_m192 on every row)."""
 import itertools
-import os
 import random
-import shutil
 import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_SMS = 132
 MAX_GROUPS_192 = 975  # KGroupedGemmConfig<*, 3>::kTileMaxGroups (tests/test_k_grouped_tiles_gpu.py checks 975 / 976)
 
 
 @pytest.fixture(scope="module")
-def choose(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    assert cxx, "a host C++ compiler (g++) is needed: nvcc needs one too"
-    exe = str(tmp_path_factory.mktemp("k_tile_choice") / "k_tile_choice")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", os.path.join(ROOT, "csrc", "include"),
-                    os.path.join(ROOT, "tests", "cpp", "k_grouped_tile_choice_main.cpp"), "-o", exe], check=True)
+def choose(cpp_driver):
+    exe = cpp_driver("k_grouped_tile_choice_main")
 
     def run(cases):
         """[(n, k, num_groups, out_bf16)] or [(block_m, n, k, num_groups, out_bf16, num_sms, max_groups_192)]

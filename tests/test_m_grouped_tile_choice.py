@@ -4,24 +4,17 @@ CPU: the header is plain C++, compiled here with the host compiler into a small 
 the grid at 05067f9 (benchmarks/results/m_grouped-20261129-1918.json, in git history; ours_m128 / ours_m192 /
 ours_bn192)."""
 import itertools
-import os
 import random
-import shutil
 import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200_SMS = 132
 
 
 @pytest.fixture(scope="module")
-def choose(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    assert cxx, "a host C++ compiler (g++) is needed: nvcc needs one too"
-    exe = str(tmp_path_factory.mktemp("tile_choice") / "tile_choice")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", os.path.join(ROOT, "csrc", "include"),
-                    os.path.join(ROOT, "tests", "cpp", "m_grouped_tile_choice_main.cpp"), "-o", exe], check=True)
+def choose(cpp_driver):
+    exe = cpp_driver("m_grouped_tile_choice_main")
 
     def run(cases):
         """[(m_total, n, num_groups, num_sms)] -> [(block_m, block_n)]"""
