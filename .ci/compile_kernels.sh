@@ -15,6 +15,7 @@ status=0
 for src in csrc/instantiations/*.cu; do
   name=$(basename "$src" .cu)
   log="$out/$name.ptxas.txt"
+  rm -f "$out/$name.o"  # a failed compile must not leave an older object for the tests that read it
   if ! "$NVCC" -c -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
        --expt-extended-lambda -Xptxas -v -Icsrc/include -I"$CUTLASS_INC" "$src" -o "$out/$name.o" >"$log" 2>&1; then
     echo "FAIL  $src"; cat "$log"; status=1; continue

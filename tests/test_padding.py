@@ -98,9 +98,11 @@ def test_upper_bound_values():
     assert padded_row_count_upper_bound(100, 256, 16) == 100 * 16  # every row its own group
 
 
-@pytest.mark.parametrize("args", [(-1, 4, 128), (10, 0, 128), (10, 4, 0)])
-def test_upper_bound_rejects_bad_arguments(args):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("args,match", [((-1, 4, 128), "m_total must be >= 0, got -1"),
+                                        ((10, 0, 128), "num_groups must be >= 1, got 0"),
+                                        ((10, 4, 0), "align must be >= 1, got 0")])
+def test_upper_bound_rejects_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
         padded_row_count_upper_bound(*args)
 
 
@@ -242,7 +244,7 @@ def test_padded_gemm_matches_the_unpadded_gemm(sizes, align):
         seen.update(rows=a_pad.shape[0], groups=padded_groups)
         return exact_grouped_gemm(a_pad, s_pad, b_, bs_, padded_groups)
 
-    out = torch.empty(sum(sizes), 32, dtype=torch.bfloat16)
+    out = torch.full((sum(sizes), 32), float("nan"), dtype=torch.bfloat16)  # poisoned: every row must be written
     got = padded_m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups, out=out, gemm=gemm, align=align)
     assert got is out
     assert torch.equal(got, exact_grouped_gemm(a, a_scales, b, b_scales, groups))

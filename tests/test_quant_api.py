@@ -22,20 +22,25 @@ def _same(a, b):
     return same_layout(a, b) and torch.equal(a, b)
 
 
+def _all_same(got, want):
+    got, want = tuple(got), tuple(want)
+    return len(got) == len(want) and all(map(_same, got, want))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_runs_the_reference(gen, dtype):
     x = random_rows(200, 272, gen, dtype)
-    assert all(map(_same, quantize_1x128(x, True), R.quantize_1x128(x, True)))
+    assert _all_same(quantize_1x128(x, True), R.quantize_1x128(x, True))
     w = random_rows(288, 144, gen, dtype).view(2, 144, 144)
-    assert all(map(_same, quantize_128x128(w), R.quantize_128x128(w)))
-    assert all(map(_same, quantize_128x128(w[0]), R.quantize_128x128(w[0])))
+    assert _all_same(quantize_128x128(w), R.quantize_128x128(w))
+    assert _all_same(quantize_128x128(w[0]), R.quantize_128x128(w[0]))
     sizes = [70, 0, 130]
-    assert all(map(_same, quantize_grouped_128x1(x, torch.tensor(sizes)), R.quantize_grouped_128x1(x, torch.tensor(sizes))))
+    assert _all_same(quantize_grouped_128x1(x, torch.tensor(sizes)), R.quantize_grouped_128x1(x, torch.tensor(sizes)))
     offsets = group_tensor(sizes, ("offsets", torch.int32))
-    assert all(map(_same, quantize_grouped_128x1(x, offsets, num_groups=3, backend="reference"),
-                   R.quantize_grouped_128x1(x, torch.tensor(sizes))))
+    assert _all_same(quantize_grouped_128x1(x, offsets, num_groups=3, backend="reference"),
+                     R.quantize_grouped_128x1(x, torch.tensor(sizes)))
     both = R.quantize_1x128(x, True) + R.quantize_grouped_128x1(x, torch.tensor(sizes), True)
-    assert all(map(_same, quantize_1x128_and_grouped_128x1(x, offsets, True, num_groups=3), both))
+    assert _all_same(quantize_1x128_and_grouped_128x1(x, offsets, True, num_groups=3), both)
 
 
 @pytest.mark.parametrize("fmt", [("sizes", torch.int32), ("sizes", torch.int64), ("offsets", torch.int32),
@@ -49,7 +54,7 @@ def test_grouped_qt_is_the_aligned_layout(gen, fmt):
     num_groups = g if fmt[0] == "offsets" else None
     qt, s = quantize_grouped_128x1(x, groups, num_groups=num_groups)
     assert qt.shape == (32, -(-m // 128) * 128 + 128 * g) and qt.is_contiguous() and s.shape == (m // 128 + g, 32)
-    assert all(map(_same, (qt, s), R.quantize_grouped_128x1(x, torch.tensor(sizes))))
+    assert _all_same((qt, s), R.quantize_grouped_128x1(x, torch.tensor(sizes)))
     *_, qt2, s2 = quantize_1x128_and_grouped_128x1(x, groups, num_groups=num_groups)
     assert _same(qt2, qt) and _same(s2, s)
     starts = aligned_token_offsets(groups, num_groups).tolist()
@@ -112,7 +117,7 @@ def test_fake_1x128_matches_reference_layout(m, k):
 @pytest.mark.parametrize("shape", [(1, 16, 16), (2, 144, 272)])
 def test_fake_128x128_matches_reference_layout(shape):
     w = torch.zeros(shape, dtype=torch.bfloat16)
-    for f, r in zip(quant._fake_quantize_128x128(w.to("meta")), R.quantize_128x128(w)):
+    for f, r in zip(quant._fake_quantize_128x128(w.to("meta")), R.quantize_128x128(w), strict=True):
         assert same_layout(f, r)
 
 
@@ -121,7 +126,7 @@ def test_fake_128x128_matches_reference_layout(shape):
 def test_fake_grouped_matches_reference_layout(sizes):
     x = torch.zeros(sum(sizes), 48, dtype=torch.bfloat16)
     fake = quant._fake_quantize_grouped_128x1(x.to("meta"), torch.tensor(sizes).to("meta"), len(sizes))
-    for f, r in zip(fake, R.quantize_grouped_128x1(x, torch.tensor(sizes))):
+    for f, r in zip(fake, R.quantize_grouped_128x1(x, torch.tensor(sizes)), strict=True):
         assert same_layout(f, r) and f.is_contiguous()
         assert f.untyped_storage().nbytes() == r.untyped_storage().nbytes()
     m, g = sum(sizes), len(sizes)

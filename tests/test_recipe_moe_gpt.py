@@ -1,6 +1,7 @@
 """recipes/moe_gpt.py's bookkeeping on the CPU: digests, the checks of summarize() (what makes the recipe fail), and
 `--compare`, which merges runs made in separate processes (one per mode, for models too large to hold several).
-The training itself runs on the GPU (tests/test_mcore_gpu.py). Needs megatron-core (the recipe imports it)."""
+The training itself runs on the GPU (tests/test_mcore_gpu.py). The bookkeeping needs no megatron-core (the recipe
+imports it only for the GPU job); the test of that import does."""
 import importlib.util
 import json
 import os
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                reason="megatron-core is not installed (the recipe imports it)")
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                    reason="megatron-core is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +170,7 @@ def test_virtual_pipeline_chunks_are_named_apart(recipe):
             recipe.parse_args(bad)
 
 
+@needs_megatron
 def test_megatron_is_imported_for_the_gpu_job_only(recipe):
     """The GPU job's megatron-core modules become the recipe's globals when preflight imports them (the CPU job,
     --plot, --compare and --same-bits never import megatron-core)."""
