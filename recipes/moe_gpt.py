@@ -103,7 +103,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E402
 from megatron_tma.mcore import experts as mcore_experts  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
-    CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, megatron_experts)
+    CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, keep_token_counts_on_device, megatron_experts)
 from megatron_tma.mcore import checkpoint  # noqa: E402
 
 
@@ -253,6 +253,11 @@ def parse_args(argv=None):
     p.add_argument("--nondeterministic", action="store_true",
                    help="leave torch's deterministic algorithms off (at top-k >= 3 Megatron's combine then sums "
                         "with atomics, and modes that should match bit for bit may not)")
+    p.add_argument("--device-token-counts", action="store_true",
+                   help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
+                        "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
+                        "MoE layer at EP = 1, TP = 1; the same bits); the result's device_token_counts says which "
+                        "layers it took and why others did not")
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's tables of the ops that took the most GPU time and the most host time "
                         "in this step (rank 0; that step's time then includes the profiler)")
@@ -311,7 +316,8 @@ def parse_args(argv=None):
             ("--distributed-optimizer", args.distributed_optimizer),
             ("--overlap-param-gather", args.overlap_param_gather), ("--ddp-bucket-size", args.ddp_bucket_size),
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
-            ("--profile-step", args.profile_step is not None)) if asked]
+            ("--profile-step", args.profile_step is not None),
+            ("--device-token-counts", args.device_token_counts)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
     bad = bad_sizes(args)
@@ -376,7 +382,8 @@ def bad_sizes(args):
 # The options that do not change what a run trains (where it reads and writes, what it prints, when it stops or saves,
 # which modes): every other option must be the checkpoint's for a resume (check_resume).
 NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "kill_after_step", "plot", "compare",
-                "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable", "preset", "experts_share_steps")
+                "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable", "preset", "experts_share_steps",
+                "device_token_counts")  # the last: the same bits with or without it
 
 
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
@@ -674,6 +681,7 @@ def train(args, mode, rank, batches):
     mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves workspaces and buffers)
     torch.cuda.reset_peak_memory_stats()
     models, optimizer = build(args, mode)
+    counts_on_device = device_token_counts(args, mode, models, rank)
     steps_counted = mcore_experts._optimizer_steps
     start, progress = resume(args, mode, models, optimizer)
     check_save_target(args, mode, start)
@@ -749,7 +757,24 @@ def train(args, mode, rank, batches):
             # the torch optimizer Megatron's optimizer steps: TE's FusedAdam where TE is installed, else Apex's or torch's
             "optimizer_class": optimizer_class(optimizer),
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
-            "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted}
+            "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted,
+            "device_token_counts": counts_on_device}
+
+
+def device_token_counts(args, mode, models, rank):
+    """--device-token-counts: {MoE layer: None where its counts stay on the GPU, else why not} over the model chunks
+    (None without the option; Megatron's own experts need the counts on the host and are never changed)."""
+    if not args.device_token_counts:
+        return None
+    report = {}
+    for i, model in enumerate(models):
+        report.update({f"chunk{i}.{name}": reason for name, reason in keep_token_counts_on_device(model).items()})
+    if rank == 0:
+        kept = sum(reason is None for reason in report.values())
+        reasons = sorted({reason for reason in report.values() if reason is not None})
+        print(f"[{mode:9s}] token counts on the GPU in {kept} of {len(report)} MoE layers"
+              + (f"; the others: {'; '.join(reasons)}" if reasons else ""), flush=True)
+    return report
 
 
 def optimizer_class(optimizer):
@@ -1193,7 +1218,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
                                                  "peak_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted", "resumed_from_step",
-                                                 "experts_share", "optimizer_class")}
+                                                 "experts_share", "optimizer_class", "device_token_counts")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)

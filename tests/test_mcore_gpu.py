@@ -72,6 +72,23 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         assert run.returncode == 0 and run.stdout.count("the same bits") == 2, (name, run.stdout + run.stderr)
 
 
+def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
+    """--device-token-counts (Megatron's all-to-all dispatcher without its host copy, sync and identity sorts in
+    every MoE layer of megatron_tma's modes): the same training bits as without it, in every mode, and the result
+    names each layer it took; Megatron's own experts keep the host counts, with the reason recorded."""
+    args = ("--steps", "8", "--modes", "unpadded", "bf16", "megatron")
+    plain, _ = _recipe(tmp_path / "plain", *args)
+    path, result = _recipe(tmp_path / "device", *args, "--device-token-counts")
+    for mode in ("unpadded", "bf16"):
+        layers = result["records"][mode]["device_token_counts"]
+        assert len(layers) == 2 and all(reason is None for reason in layers.values()), (mode, layers)
+    megatrons = result["records"]["megatron"]["device_token_counts"].values()
+    assert len(megatrons) == 2 and all("need the counts on the host" in r for r in megatrons)
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("the same bits") == 3, run.stdout + run.stderr
+
+
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 TE_FP8 = ("--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
 

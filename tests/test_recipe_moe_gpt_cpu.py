@@ -136,13 +136,34 @@ def test_cpu_job_resumes_bit_exact_after_a_kill(tmp_path):
 
 def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
-                   ["--recompute-modules", "moe_act"]):
+                   ["--recompute-modules", "moe_act"], ["--device-token-counts"]):
         with pytest.raises(SystemExit) as e:
             recipe.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
     args = recipe.parse_args(["--cpu", "--steps", "7"])
     assert args.steps == 7 and args.hidden == recipe.CPU_SIZE["hidden"] and args.modes == list(recipe.CPU_MODES)
     assert recipe.parse_args([]).hidden == 1024 and "megatron" in recipe.parse_args([]).modes  # the GPU job's
+
+
+def test_device_token_counts_is_reported_per_layer_and_resumes_either_way(recipe, monkeypatch, capsys):
+    """--device-token-counts: the recipe asks megatron_tma.mcore for every model chunk and prints how many layers
+    took it and why the others did not; it changes no bits, so checkpoints resume with or without it."""
+    asked = []
+
+    def keep(model):
+        asked.append(model)
+        return {"decoder.layers.0.mlp": None, "decoder.layers.1.mlp": "the dispatcher is X"}
+
+    monkeypatch.setattr(recipe, "keep_token_counts_on_device", keep)
+    off, on = recipe.parse_args([]), recipe.parse_args(["--device-token-counts"])
+    assert recipe.device_token_counts(off, "unpadded", ["chunk"], 0) is None and asked == []
+    got = recipe.device_token_counts(on, "unpadded", ["a", "b"], 0)
+    assert asked == ["a", "b"] and got == {"chunk0.decoder.layers.0.mlp": None,
+                                           "chunk0.decoder.layers.1.mlp": "the dispatcher is X",
+                                           "chunk1.decoder.layers.0.mlp": None,
+                                           "chunk1.decoder.layers.1.mlp": "the dispatcher is X"}
+    assert "token counts on the GPU in 2 of 4 MoE layers; the others: the dispatcher is X" in capsys.readouterr().out
+    assert recipe.training_args(off) == recipe.training_args(on)
 
 
 # --------------------------------------------------------------------------------------------------------------
