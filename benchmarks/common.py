@@ -99,19 +99,45 @@ def _warm_up(fns: dict, calls: int):
 
 def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
-    an L2 flush), so that clock and power drift over the run falls on every method alike. The order rotates
-    every round, so that each method follows every other equally often and no position effect falls on one
-    method only. For long, power-hungry calls use bench_blocks instead: a call inherits the clock state its
-    predecessor left (the Mixtral-sized FP8 layer step: 53 ms after itself, 59 ms after the BF16 step). A callable
-    that raises is reported as the exception's text instead of a time."""
+    an L2 flush), so that clock and power drift over the run falls on every method alike. The rounds follow
+    `carryover_balanced_orders`: each method directly follows each other method equally often, so a neighbour's
+    effect on the clock (an FP8 GEMM timed right after a dense cuBLAS GEMM runs slower) falls on every method
+    alike too. A plain rotation does not do that: it keeps the cyclic order, so each method always follows the
+    same one (in m_grouped-20261203-1749, `ours`, always timed after `dense_cublas`, took up to 9% longer than the
+    identical forced-tile call timed after it). For long, power-hungry calls use bench_blocks instead: a call
+    inherits the clock state its predecessor left (the Mixtral-sized FP8 layer step: 53 ms after itself, 59 ms
+    after the BF16 step). A callable that raises is reported as the exception's text instead of a time."""
     results, live = _warm_up(fns, warmup)
     times = {name: [] for name in live}
-    order = list(live)
-    for r in range(iters):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            times[name].append(_time_once(live[name], flush=True))
+    for name in interleaved_schedule(list(live), iters):
+        times[name].append(_time_once(live[name], flush=True))
     results.update({name: statistics.median(t) for name, t in times.items()})
     return results
+
+
+def carryover_balanced_orders(n: int) -> list:
+    """Orders of range(n) (a Williams design: a Latin square balanced for first-order carry-over) in which every
+    ordered pair (a, b), a != b, stands next to each other, b right after a, equally often: once over the n orders
+    for even n, twice over the 2n orders for odd n. Every position holds every item equally often too."""
+    if n <= 2:
+        return [list(range(n))] if n < 2 else [[0, 1], [1, 0]]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(v + r) % n for v in first] for r in range(n)]
+    return orders if n % 2 == 0 else orders + [o[::-1] for o in orders]
+
+
+def interleaved_schedule(names: list, iters: int) -> list:
+    """The timed calls of bench_interleaved in order: `iters` rounds, round r in the carry-over-balanced order
+    r mod the design's length (the balance is exact when iters is a multiple of it: len(names), or twice that
+    for an odd count)."""
+    orders = carryover_balanced_orders(len(names))
+    return [names[i] for r in range(iters) for i in orders[r % len(orders)]] if names else []
 
 
 def bench_blocks(fns: dict, iters: int = 25, warmup: int = 3, rounds: int = 5) -> dict:

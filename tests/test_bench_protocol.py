@@ -1,5 +1,6 @@
-"""The layer benchmark's block schedule (benchmarks/common.py): every timed step follows a step of the same method,
-every method gets its timed calls, and the order rotates so that no method always runs first."""
+"""The benchmarks' call schedules (benchmarks/common.py): the layer benchmark's blocks (every timed step follows a
+step of the same method, every method gets its timed calls, the order rotates so that no method always runs first),
+and the GEMM benchmarks' interleaved rounds (each method follows each other equally often)."""
 import importlib.util
 import os
 
@@ -24,6 +25,48 @@ def test_every_timed_call_follows_its_own_kind(iters, warmup, rounds):
     assert all(v >= iters and v == timed["ours"] for v in timed.values())
     firsts = [seq[i][0] for i in range(0, len(seq), len(seq) // rounds)]
     assert len(set(firsts)) == min(rounds, len(names))  # the order rotates per round
+
+
+@pytest.mark.parametrize("n", range(1, 14))
+def test_carryover_balanced_orders(n):
+    """A Williams design: every order a permutation, every item in every position equally often, and every ordered
+    pair (a, b) of distinct items adjacent, b right after a, equally often (once for even n, twice for odd n)."""
+    orders = common.carryover_balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    for pos in range(n):
+        assert sorted(o[pos] for o in orders) == sorted(list(range(n)) * (len(orders) // n))
+    follows = {}
+    for o in orders:
+        for a, b in zip(o, o[1:]):
+            follows[a, b] = follows.get((a, b), 0) + 1
+    want = 1 if n % 2 == 0 else 2
+    assert follows == {(a, b): want for a in range(n) for b in range(n) if a != b}
+
+
+def test_interleaved_schedule_balances_predecessors():
+    """bench_interleaved's timed calls: `iters` rounds of one call per method; over a whole design every method's
+    predecessor within a round is each other method equally often, where a rotation (the old schedule) always gave
+    it the same one."""
+    names = ["ours", "ours_m128", "padded_gemm", "deepgemm", "torch_rowwise", "bf16", "dense_cublas"]  # odd: 14 rounds
+    seq = common.interleaved_schedule(names, 14)
+    assert len(seq) == 14 * len(names)
+    rounds = [seq[i:i + len(names)] for i in range(0, len(seq), len(names))]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    before_ours = [r[r.index("ours") - 1] for r in rounds if r[0] != "ours"]
+    assert sorted(set(before_ours)) == sorted(set(names) - {"ours"})
+    assert len(set(before_ours.count(m) for m in set(before_ours))) == 1
+    assert len(common.interleaved_schedule(names, 25)) == 25 * len(names) and common.interleaved_schedule([], 5) == []
+
+
+def test_bench_interleaved_times_in_the_schedules_order(monkeypatch):
+    fns = {name: (lambda: None) for name in ("a", "b", "c", "d", "e")}
+    timed = []
+    monkeypatch.setattr(common, "_warm_up", lambda f, calls: ({}, dict(f)))
+    monkeypatch.setattr(common, "_time_once", lambda fn, flush: timed.append(
+        next(n for n, f in fns.items() if f is fn)) or float(len(timed)))
+    result = common.bench_interleaved(fns, iters=10)
+    assert timed == common.interleaved_schedule(list(fns), 10) and set(result) == set(fns)
 
 
 def test_one_method_schedule():
