@@ -8,6 +8,8 @@
 #   git archive <base-rev> csrc megatron_tma scripts setup.py pyproject.toml _build_backend.py MANIFEST.in lab \
 #     benchmarks/*.py | tar -x -C .ab/base        (then, on the GPU machine, carry .ab .dg .whl)
 #   ROUNDS=2 FULL=1 NCU_KG=1 PROFILE="qwen3_30b_a3b:128:32768" bash lab/device_mgrouped_ab.sh
+# HEAD_NVCC_EXTRA: extra nvcc flags for the head's build only, for a build-time variant of the same tree; e.g. the
+# fixed-stage serial loop: HEAD_NVCC_EXTRA=-DMEGATRON_TMA_MG_FIXED_STAGE=1 (base: `git archive HEAD ...` as above).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=$OUT/res; mkdir -p "$R"
 BASE=${BASE:-.ab/base}
@@ -18,7 +20,8 @@ export PYTHONPATH=$PWD/.site
 (bash .dg/build_deepgemm.sh > "$R/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
 (cd "$BASE" && CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=7 python3 setup.py build_ext --inplace > "$R/build_base.log" 2>&1
  echo "base build rc=$?") &
-CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=8 python3 setup.py build_ext --inplace > "$R/build_head.log" 2>&1
+CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=8 MEGATRON_TMA_NVCC_EXTRA="${HEAD_NVCC_EXTRA:-}" \
+  python3 setup.py build_ext --inplace > "$R/build_head.log" 2>&1
 echo "head build rc=$?"; wait; echo "built ($(since))"
 ls megatron_tma/_C*.so "$BASE"/megatron_tma/_C*.so > /dev/null || { tail -20 "$R"/build_*.log; exit 1; }
 source /tmp/dg/env.sh  # DeepGEMM's install joins PYTHONPATH

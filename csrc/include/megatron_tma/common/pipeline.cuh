@@ -3,9 +3,21 @@
 // consumer warp). Both sides walk the ring with the same (stage, phase) state.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include "megatron_tma/common/mbarrier.cuh"
 
 namespace megatron_tma {
+
+// f(std::integral_constant<int, I>{}) for I = BEGIN .. END-1, in order: a loop whose index is a compile-time
+// constant in every step (a ring stage whose barrier, descriptor and slot addresses fold to immediates), where
+// `#pragma unroll` is only a request ptxas may turn down under register pressure.
+template <int BEGIN, int END, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (BEGIN < END) {
+    f(std::integral_constant<int, BEGIN>{});
+    static_for<BEGIN + 1, END>(f);
+  }
+}
 
 template <int STAGES>
 struct PipelineState {

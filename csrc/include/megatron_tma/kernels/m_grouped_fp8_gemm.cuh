@@ -21,6 +21,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "megatron_tma/common/groups.cuh"
 #include "megatron_tma/common/mbarrier.cuh"
@@ -274,6 +275,53 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       }
     };
 
+    // The serial loop with compile-time pipeline stages (MEGATRON_TMA_MG_FIXED_STAGE=1 at build time; off by
+    // default until measured on a GPU). When num_kb is a multiple of STAGES every tile starts at stage 0 (each tile,
+    // active or not, walks num_kb stages of the ring), so the K loop unrolled STAGES times gets immediate
+    // descriptor, barrier and scale-slot addresses and carries only the phase bit; the 192-wide tiles' choice of
+    // weight-scale split is made once per tile instead of per block. Why: per K block and math warp the serial
+    // loop issues 123 (192 x 128) instructions, 59 of them not FFMA, where DeepGEMM's (stage indices constant:
+    // SHAPE_K is compiled in) issues 38-42 non-FFMA ones (lab/results, benchmarks/NOTES.md "fixed-stage").
+    auto mainloop_fixed = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs], auto split16) {
+      if (!active) return release_tile();
+      constexpr int S = Cfg::STAGES;
+      uint32_t phase = st.phase;  // st.stage == 0 here
+      float sa0, sa1, sb[Cfg::kBScales];
+      pipe.consumer_wait(PipelineState<S>{0, phase});
+      stage_scales(PipelineState<S>{0, phase}, tile.row_start, sa0, sa1, sb);
+      for (int kb0 = 0; kb0 < num_kb; kb0 += S) {
+        // static_for, not `#pragma unroll`: ptxas left the three-warpgroup kernel's loop rolled (stage at run time)
+        static_for<0, S>([&](auto stage) {
+          constexpr int s = decltype(stage)::value;
+          const PipelineState<S> cur{s, phase};
+          const PipelineState<S> nxt{(s + 1) % S, s + 1 == S ? phase ^ 1u : phase};
+          issue(part, cur);
+          float nsa0 = 0.f, nsa1 = 0.f, nsb[Cfg::kBScales] = {};
+          if (s + 1 < S || kb0 + S < num_kb) {  // compile-time true but for the last stage of a round
+            pipe.consumer_wait(nxt);
+            stage_scales(nxt, tile.row_start, nsa0, nsa1, nsb);
+          }
+          wgmma_wait<0>();
+          fence_regs(part);
+          pipe.consumer_release(cur, lane);
+          if constexpr (Cfg::BLOCK_N == 128)
+            promote_row_scaled(accum, part, sa0, sa1, sb[0]);
+          else
+            promote_row_scaled_split<decltype(split16)::value ? 16 : 8>(accum, part, sa0, sa1, sb[0],
+                                                                          sb[Cfg::kBScales - 1]);
+          sa0 = nsa0, sa1 = nsa1;
+#pragma unroll
+          for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = nsb[j];
+        });
+        phase ^= 1u;
+      }
+      st.phase = phase;  // as num_kb advances of st would leave it: stage 0, the phase flipped num_kb / S times
+    };
+#ifndef MEGATRON_TMA_MG_FIXED_STAGE
+#define MEGATRON_TMA_MG_FIXED_STAGE 0
+#endif
+    const bool fixed_stages = MEGATRON_TMA_MG_FIXED_STAGE && num_kb % Cfg::STAGES == 0;
+
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
       const MTile tile = sched.get(t);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
@@ -284,7 +332,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         for (int i = 0; i < Mma::kRegs; ++i) acc[h][i] = 0.f;
 
       if constexpr (Cfg::kSerial) {
-        mainloop_single(tile, active, acc[0]);
+        if (fixed_stages) {
+          if (Cfg::BLOCK_N == 128 || tile.n_block * Cfg::BLOCK_N % 128 == 0)
+            mainloop_fixed(tile, active, acc[0], std::true_type{});
+          else
+            mainloop_fixed(tile, active, acc[0], std::false_type{});
+        } else {
+          mainloop_single(tile, active, acc[0]);
+        }
       } else if constexpr (H == 1) {
         mainloop_pipelined(tile, active, acc[0], part);
       } else {
