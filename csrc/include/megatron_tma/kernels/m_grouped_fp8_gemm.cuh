@@ -244,6 +244,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // ptxas hoists the scale products up to the last issue): so the scales of block kb+1 are read from its stage
     // while block kb runs, once that stage has landed. (Fetched at the top of the block instead, each block's
     // last wgmma waited on a global load: -14%.)
+    // One block of a serial loop: launch block `cur` into `part`, read the next block's scales once its stage has
+    // landed (has_next), retire `cur` and promote it with this block's scales (sa0, sa1, sb), which then take the
+    // next block's. split16: the 192-wide tiles' weight-scale split (promote_row_scaled_split), a bool or a
+    // std::integral_constant.
+    auto serial_block = [&](const MTile& tile, const PipelineState<Cfg::STAGES>& cur,
+                            const PipelineState<Cfg::STAGES>& nxt, bool has_next, auto split16,
+                            float(&accum)[Mma::kRegs], float& sa0, float& sa1, float(&sb)[Cfg::kBScales]) {
+      issue(part, cur);
+      float nsa0 = 0.f, nsa1 = 0.f, nsb[Cfg::kBScales] = {};
+      if (has_next) {
+        pipe.consumer_wait(nxt);
+        stage_scales(nxt, tile.row_start, nsa0, nsa1, nsb);
+      }
+      wgmma_wait<0>();
+      fence_regs(part);
+      pipe.consumer_release(cur, lane);
+      if constexpr (Cfg::BLOCK_N == 128)
+        promote_row_scaled(accum, part, sa0, sa1, sb[0]);
+      else if (split16)
+        promote_row_scaled_split<16>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
+      else
+        promote_row_scaled_split<8>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
+      sa0 = nsa0, sa1 = nsa1;
+#pragma unroll
+      for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = nsb[j];
+    };
     auto mainloop_single = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs]) {
       if (!active) return release_tile();
       const bool split16 = tile.n_block * Cfg::BLOCK_N % 128 == 0;  // else the tile starts mid-block: 64 columns
@@ -251,26 +277,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       pipe.consumer_wait(st);
       stage_scales(st, tile.row_start, sa0, sa1, sb);
       for (int kb = 0; kb < num_kb; ++kb) {
-        issue(part, st);
         PipelineState<Cfg::STAGES> next = st;
         next.advance();
-        float nsa0 = 0.f, nsa1 = 0.f, nsb[Cfg::kBScales] = {};
-        if (kb + 1 < num_kb) {
-          pipe.consumer_wait(next);
-          stage_scales(next, tile.row_start, nsa0, nsa1, nsb);
-        }
-        wgmma_wait<0>();
-        fence_regs(part);
-        pipe.consumer_release(st, lane);
-        if constexpr (Cfg::BLOCK_N == 128)
-          promote_row_scaled(accum, part, sa0, sa1, sb[0]);
-        else if (split16)
-          promote_row_scaled_split<16>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
-        else
-          promote_row_scaled_split<8>(accum, part, sa0, sa1, sb[0], sb[Cfg::kBScales - 1]);
-        sa0 = nsa0, sa1 = nsa1;
-#pragma unroll
-        for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = nsb[j];
+        serial_block(tile, st, next, kb + 1 < num_kb, split16, accum, sa0, sa1, sb);
         st = next;
       }
     };
@@ -281,7 +290,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     // descriptor, barrier and scale-slot addresses and carries only the phase bit; the 192-wide tiles' choice of
     // weight-scale split is made once per tile instead of per block. Why: per K block and math warp the serial
     // loop issues 123 (192 x 128) instructions, 59 of them not FFMA, where DeepGEMM's (stage indices constant:
-    // SHAPE_K is compiled in) issues 38-42 non-FFMA ones (lab/results, benchmarks/NOTES.md "fixed-stage").
+    // SHAPE_K is compiled in) issues 38-42 non-FFMA ones (benchmarks/NOTES.md, the M-grouped table).
     auto mainloop_fixed = [&](const MTile& tile, bool active, float(&accum)[Mma::kRegs], auto split16) {
       if (!active) return release_tile();
       constexpr int S = Cfg::STAGES;
@@ -293,25 +302,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
         // static_for, not `#pragma unroll`: ptxas left the three-warpgroup kernel's loop rolled (stage at run time)
         static_for<0, S>([&](auto stage) {
           constexpr int s = decltype(stage)::value;
-          const PipelineState<S> cur{s, phase};
-          const PipelineState<S> nxt{(s + 1) % S, s + 1 == S ? phase ^ 1u : phase};
-          issue(part, cur);
-          float nsa0 = 0.f, nsa1 = 0.f, nsb[Cfg::kBScales] = {};
-          if (s + 1 < S || kb0 + S < num_kb) {  // compile-time true but for the last stage of a round
-            pipe.consumer_wait(nxt);
-            stage_scales(nxt, tile.row_start, nsa0, nsa1, nsb);
-          }
-          wgmma_wait<0>();
-          fence_regs(part);
-          pipe.consumer_release(cur, lane);
-          if constexpr (Cfg::BLOCK_N == 128)
-            promote_row_scaled(accum, part, sa0, sa1, sb[0]);
-          else
-            promote_row_scaled_split<decltype(split16)::value ? 16 : 8>(accum, part, sa0, sa1, sb[0],
-                                                                          sb[Cfg::kBScales - 1]);
-          sa0 = nsa0, sa1 = nsa1;
-#pragma unroll
-          for (int j = 0; j < Cfg::kBScales; ++j) sb[j] = nsb[j];
+          // the next block's wait is compile-time certain but for the last stage of a round
+          serial_block(tile, PipelineState<S>{s, phase}, PipelineState<S>{(s + 1) % S, s + 1 == S ? phase ^ 1u : phase},
+                       s + 1 < S || kb0 + S < num_kb, split16, accum, sa0, sa1, sb);
         });
         phase ^= 1u;
       }
