@@ -32,6 +32,11 @@
 #include "megatron_tma/common/wgmma.cuh"
 #include "megatron_tma/scheduler/m_grouped_scheduler.cuh"
 
+// Build option: the serial kernels' fixed-stage K loop (mainloop_fixed below); off until measured on a GPU.
+#ifndef MEGATRON_TMA_MG_FIXED_STAGE
+#define MEGATRON_TMA_MG_FIXED_STAGE 0
+#endif
+
 namespace megatron_tma {
 
 constexpr int kStorePoolSize = 7;  // box heights 1, 2, ..., 64 rows (one math warpgroup's half tile)
@@ -310,9 +315,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       }
       st.phase = phase;  // as num_kb advances of st would leave it: stage 0, the phase flipped num_kb / S times
     };
-#ifndef MEGATRON_TMA_MG_FIXED_STAGE
-#define MEGATRON_TMA_MG_FIXED_STAGE 0
-#endif
     const bool fixed_stages = MEGATRON_TMA_MG_FIXED_STAGE && num_kb % Cfg::STAGES == 0;
 
     for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
