@@ -96,11 +96,15 @@ def _gpt(mode="unpadded", experts=4, dispatcher="alltoall", device="cpu", **conf
     return gpt
 
 
-def _step(layer, seed=3, device="cpu"):
-    """One forward and backward of an MoE layer: (output, input gradient, parameter gradients), and the
-    `tokens_per_expert` its experts were called with."""
+def _input(seed=3, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(16, 4, 256, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    return torch.randn(16, 4, 256, generator=gen).to(device, torch.bfloat16)
+
+
+def _step(layer, x=None):
+    """One forward and backward of an MoE layer on `x` (default: `_input()`): (output, input gradient, parameter
+    gradients), and the `tokens_per_expert` its experts were called with."""
+    x = (_input() if x is None else x).detach().requires_grad_()
     handed = []
     hook = layer.experts.register_forward_pre_hook(lambda m, args: handed.append(args[1]))
     try:
@@ -172,6 +176,7 @@ def test_applying_twice_is_applying_once(cuda_calls):
     (lambda layer: setattr(layer.token_dispatcher.config, "moe_router_padding_for_quantization", True),
      "moe_router_padding_for_quantization"),
     (lambda layer: setattr(layer.token_dispatcher.config, "cuda_graph_impl", "local"), "cuda_graph_impl='local'"),
+    (lambda layer: setattr(layer, "_inference_token_dispatcher", layer.token_dispatcher), "inference-optimized"),
     (lambda layer: setattr(layer.token_dispatcher, "sort_input_by_local_experts", torch.tensor([1, 0, 2, 3])),
      "not the identity"),
     (lambda layer: setattr(layer.token_dispatcher, "restore_output_by_local_experts", torch.tensor([0, 1, 3, 2])),
@@ -205,14 +210,15 @@ def test_on_the_gpu_the_counts_stay_there_and_nothing_syncs(megatron_cpu, mode):
     output and gradients are the same bits."""
     gpt = _gpt(mode, device="cuda")
     layer = gpt.decoder.layers[0].mlp
-    megatrons = _step(layer, device="cuda")
+    x = _input(device="cuda")  # made before the sync check: the host-to-device copy of its values syncs
+    megatrons = _step(layer, x)
     assert megatrons[3][0].device.type == "cpu"
     mcore.keep_token_counts_on_device(gpt)
-    _step(layer, device="cuda")  # warm-up: first-call allocations and lazy initializations
+    _step(layer, x)  # warm-up: first-call allocations and lazy initializations
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        ours = _step(layer, device="cuda")
+        ours = _step(layer, x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ours[3][0].device.type == "cuda"

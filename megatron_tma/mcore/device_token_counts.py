@@ -2,11 +2,11 @@
 
 megatron-core 0.19.2's `MoEAlltoAllTokenDispatcher` copies the per-expert token counts to the host in every forward
 of every MoE layer and makes the host wait for that copy (`_maybe_dtoh_and_synchronize`; at EP = 1 and TP = 1 the
-sync point is "before_permutation_2", or "before_finish" with one local expert), because `TEGroupedMLP` and
-`SequentialMLP` need the counts on the host (`m_splits`, `torch.split`). megatron_tma's experts read them on the
-GPU, and at EP = 1, TP = 1 nothing else in the dispatcher needs them there: the only consumer is the chunk sort by
-local expert (`sort_chunks_by_idxs`, forward and combine), which at EP x TP = 1 is the identity permutation and is
-skipped here too (two full copies of the routed tokens and their autograd nodes per layer and micro-batch). The
+sync point is "before_permutation_2", or "before_finish" with one local expert or with `moe_permute_fusion`),
+because `TEGroupedMLP` and `SequentialMLP` need the counts on the host (`m_splits`, `torch.split`). megatron_tma's
+experts read them on the GPU, and at EP = 1, TP = 1 nothing else in the dispatcher needs them there: the only
+consumer is the chunk sort by local expert (`sort_chunks_by_idxs`, forward and combine), which at EP x TP = 1 is
+the identity permutation and is skipped here too (two full copies of the routed tokens and their autograd nodes per layer and micro-batch). The
 host then never waits on the GPU inside the MoE layer, and the experts get the counts tensor the dispatcher's
 preprocessing computed, on the GPU. Results are the same bits: the sort was an identity, and the counts are the same
 numbers on another device.
@@ -62,6 +62,9 @@ def refusal(layer) -> Optional[str]:
     dispatcher = getattr(layer, "token_dispatcher", None)
     if type(dispatcher) is not MoEAlltoAllTokenDispatcher:
         return f"the dispatcher is {type(dispatcher).__name__}, not the all-to-all dispatcher"
+    if hasattr(layer, "_inference_token_dispatcher"):
+        # config.transformer_impl == "inference_optimized": MoELayer.forward swaps `token_dispatcher` per forward
+        return "an inference-optimized layer swaps its dispatcher at every forward"
     if not isinstance(getattr(layer, "experts", None), _MegatronExperts):
         return (f"the experts are {type(layer.experts).__name__}, which need the counts on the host "
                 "(only megatron_tma's experts read them on the GPU)")
