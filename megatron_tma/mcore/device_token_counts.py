@@ -5,11 +5,11 @@ of every MoE layer and makes the host wait for that copy (`_maybe_dtoh_and_synch
 sync point is "before_permutation_2", or "before_finish" with one local expert or with `moe_permute_fusion`),
 because `TEGroupedMLP` and `SequentialMLP` need the counts on the host (`m_splits`, `torch.split`). megatron_tma's
 experts read them on the GPU, and at EP = 1, TP = 1 nothing else in the dispatcher needs them there: the only
-consumer is the chunk sort by local expert (`sort_chunks_by_idxs`, forward and combine), which at EP x TP = 1 is
-the identity permutation and is skipped here too (two full copies of the routed tokens and their autograd nodes per layer and micro-batch). The
-host then never waits on the GPU inside the MoE layer, and the experts get the counts tensor the dispatcher's
-preprocessing computed, on the GPU. Results are the same bits: the sort was an identity, and the counts are the same
-numbers on another device.
+consumer is the chunk sort by local expert (`sort_chunks_by_idxs`, forward and combine), which at EP x TP = 1 is the
+identity permutation and is skipped here too (two full copies of the routed tokens and their autograd nodes per
+layer and micro-batch). The host then never waits on the GPU inside the MoE layer, and the experts get the counts
+tensor the dispatcher's preprocessing computed, on the GPU. Results are the same bits: the sort was an identity, and
+the counts are the same numbers on another device.
 
 Megatron builds the dispatcher in `MoELayer.__init__`, not from the layer spec, so this works on a built model:
 `keep_token_counts_on_device(model)` gives each eligible layer's dispatcher instance methods that shadow the three
