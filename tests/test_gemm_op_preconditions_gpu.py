@@ -163,12 +163,19 @@ def test_k_grouped_out_at_an_element_offset(dtype, accumulate):
     args = _k_args()
     g, n, k = 3, 64, 128
     storage = torch.randn(g * n * k + 1, device=DEV).to(dtype)
+    if not accumulate:
+        storage.fill_(float("nan"))  # every element must be written
     odd = storage[1:].view(g, n, k)
     aligned = storage[1:].clone().view(g, n, k)
+    before = odd.clone()
     assert odd.data_ptr() % 16 != 0 and aligned.data_ptr() % 16 == 0
     assert gemm.k_grouped_fp8_gemm(**args, out=odd, accumulate=accumulate) is odd
     gemm.k_grouped_fp8_gemm(**args, out=aligned, accumulate=accumulate)
     assert torch.equal(odd, aligned)
+    # and what a call without out computes: the same bits, added to what was there with accumulate (one FP32 add)
+    fresh = gemm.k_grouped_fp8_gemm(**args, out_dtype=dtype)
+    assert torch.equal(odd, before + fresh if accumulate else fresh)
+    assert fresh.abs().sum() > 0
 
 
 def test_k_grouped_accumulate_needs_out_on_gpu():
