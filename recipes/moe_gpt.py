@@ -253,6 +253,10 @@ def parse_args(argv=None):
     p.add_argument("--nondeterministic", action="store_true",
                    help="leave torch's deterministic algorithms off (at top-k >= 3 Megatron's combine then sums "
                         "with atomics, and modes that should match bit for bit may not)")
+    p.add_argument("--moe-permute-fusion", action="store_true",
+                   help="Megatron-LM's option (config.moe_permute_fusion): Transformer Engine's fused kernels for the "
+                        "dispatcher's token permutation, un-permutation and chunk sort, in every mode (a Megatron-LM "
+                        "run with TE usually sets it); needs Transformer Engine installed")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
@@ -317,7 +321,8 @@ def parse_args(argv=None):
             ("--overlap-param-gather", args.overlap_param_gather), ("--ddp-bucket-size", args.ddp_bucket_size),
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
             ("--profile-step", args.profile_step is not None),
-            ("--device-token-counts", args.device_token_counts)) if asked]
+            ("--device-token-counts", args.device_token_counts),
+            ("--moe-permute-fusion", args.moe_permute_fusion)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
     bad = bad_sizes(args)
@@ -387,7 +392,8 @@ NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "k
 
 
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
-ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None}
+ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None,
+                 "moe_permute_fusion": False}
 
 
 def training_args(args):
@@ -408,7 +414,8 @@ def check_resume(args, progress, where):
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k, ADDED_OPTIONS.get(k)) != now.get(k)]
     if differ:
         fail(f"{where} was trained with other settings than this run's: "
-             + "; ".join(f"--{k.replace('_', '-')} {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ)
+             + "; ".join(f"--{k.replace('_', '-')} {saved.get(k, ADDED_OPTIONS.get(k))!r} there, {now.get(k)!r} here"
+                         for k in differ)
              + " (a resume trains the checkpoint's settings: run it with them, or without --load)")
 
 
@@ -445,6 +452,8 @@ def model_settings(args):
     settings = dict(transformer_impl=args.transformer_impl, moe_shared_expert_intermediate_size=args.shared_expert_ffn)
     if args.fp8_format:
         settings.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+    if args.moe_permute_fusion:
+        settings["moe_permute_fusion"] = True
     if args.transformer_impl == "transformer_engine" and not args.nondeterministic:
         # TE's attention picks deterministic kernels only so (Megatron-LM's --deterministic-mode; preflight sets
         # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which that mode requires)
@@ -978,13 +987,19 @@ def preflight(args):
     if sys.version_info[:2] < MEGATRON_PYTHON:
         fail(f"megatron-core 0.19 needs Python >= {'.'.join(map(str, MEGATRON_PYTHON))}, this is "
              f"{sys.version.split()[0]}: run the job with a newer Python (--cpu runs without Megatron)")
-    if args.transformer_impl == "transformer_engine":
+    # the options that need Transformer Engine, each with the way to run without it
+    needs_te = [(option, instead) for option, instead, asked in (
+        ("--transformer-impl transformer_engine", "with --transformer-impl local",
+         args.transformer_impl == "transformer_engine"),
+        ("--moe-permute-fusion", "without --moe-permute-fusion", args.moe_permute_fusion)) if asked]
+    if needs_te:
         error = te_import_error()
         if error is not None:
             why = (str(error).splitlines() or [""])[0]
-            fail(f"--transformer-impl transformer_engine needs Transformer Engine, which cannot be imported "
-                 f"({type(error).__name__}: {why}): pip install -e '.[te]' on the GPU machine (or "
-                 "scripts/te_device_steps.md), or run with --transformer-impl local")
+            fail(f"{' and '.join(o for o, _ in needs_te)} need{'s' if len(needs_te) == 1 else ''} Transformer "
+                 f"Engine, which cannot be imported ({type(error).__name__}: {why}): pip install -e '.[te]' on the "
+                 f"GPU machine (or scripts/te_device_steps.md), or run {' and '.join(i for _, i in needs_te)}")
+    if args.transformer_impl == "transformer_engine":
         if not args.nondeterministic:  # before TE is imported: its attention reads it (config.deterministic_mode)
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     error = import_megatron()

@@ -136,7 +136,7 @@ def test_cpu_job_resumes_bit_exact_after_a_kill(tmp_path):
 
 def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
-                   ["--recompute-modules", "moe_act"], ["--device-token-counts"]):
+                   ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"]):
         with pytest.raises(SystemExit) as e:
             recipe.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
@@ -501,9 +501,26 @@ def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monke
     _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8],
               "--transformer-impl transformer_engine needs Transformer Engine, which cannot be imported "
               "(ModuleNotFoundError: No module named 'transformer_engine')")
+    _one_line(gpu_job, ["--out", str(tmp_path), "--moe-permute-fusion"],
+              "--moe-permute-fusion needs Transformer Engine, which cannot be imported")
+    _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8, "--moe-permute-fusion"],
+              "--transformer-impl transformer_engine and --moe-permute-fusion need Transformer Engine")
     # the local spec never asks for TE
     with pytest.raises(AssertionError, match="distributed set-up was reached"):
         gpu_job.main(["--out", str(tmp_path)])
+
+
+def test_moe_permute_fusion_is_megatron_lms_option(recipe):
+    """--moe-permute-fusion sets Megatron's config field in every mode; it is a training setting (TE's fused
+    un-permutation may sum in another order), which checkpoints saved before it trained without."""
+    assert recipe.model_settings(recipe.parse_args([*TE_FP8, "--moe-permute-fusion"]))["moe_permute_fusion"] is True
+    assert "moe_permute_fusion" not in recipe.model_settings(recipe.parse_args(TE_FP8))
+    args = recipe.parse_args(["--moe-permute-fusion"])
+    assert recipe.training_args(args)["moe_permute_fusion"] is True
+    old = {k: v for k, v in recipe.training_args(recipe.parse_args([])).items() if k != "moe_permute_fusion"}
+    recipe.check_resume(recipe.parse_args([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
+    with pytest.raises(SystemExit, match="--moe-permute-fusion False there, True here"):
+        recipe.check_resume(args, {"train_args": old}, "ckpt")
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here")

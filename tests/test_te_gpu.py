@@ -110,3 +110,19 @@ def test_recipe_with_transformer_engine_fp8_around_every_mode(tmp_path):
         share = summary[mode]["experts_share_of_step"]
         assert 0 < share < 1, (mode, share)
     assert set(result["head_to_head"]) == {"unpadded_vs_te", "unpadded_vs_bf16"}
+
+
+@pytest.mark.recipe_run
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_recipe_with_moe_permute_fusion_and_device_token_counts(tmp_path):
+    """TE's fused permutation kernels in Megatron's dispatcher (--moe-permute-fusion, as a Megatron-LM run with TE
+    usually has it) around every kind of experts, with our modes' token counts kept on the GPU: the twins stay bit
+    for bit, and the counts stay on the GPU in every layer of ours (TEGroupedMLP needs them on the host)."""
+    result = _recipe(tmp_path, *TE_FP8, "--steps", "6", "--moe-permute-fusion", "--device-token-counts",
+                     "--modes", "unpadded", "padded16", "te")
+    summary, records = result["summary"], result["records"]
+    assert summary["padded16"]["bitexact_losses"] and summary["padded16"]["bitexact_params"]
+    assert result["config"]["moe_permute_fusion"] is True
+    for mode in ("unpadded", "padded16"):
+        assert set(records[mode]["device_token_counts"].values()) == {None}, records[mode]
+    assert all("need the counts on the host" in r for r in records["te"]["device_token_counts"].values())
