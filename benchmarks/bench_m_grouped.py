@@ -112,6 +112,9 @@ def run_config(G, M, N, K, dist, seed, iters, dg=None):
     fns["dense_cublas"] = lambda: torch._scaled_mm(dense_a, dense_b, one, one, out_dtype=torch.bfloat16)
 
     common.time_methods(row, fns, flops, iters)
+    same = same_tile_ratio(row)
+    if same is not None:
+        row["ours_vs_same_tile"] = same
     ours = m_grouped_fp8_gemm(aq, a_s, wq, ws, groups).clone()
     row["bitexact"] = bool(torch.equal(ours, padded_m_grouped_fp8_gemm(aq, a_s, wq, ws, groups)))
     if "padded_path_ms" in row and "ours_ms" in row:
@@ -197,6 +200,7 @@ def main():
         "all_bitexact": all(r["bitexact"] for r in rows),
     }
     summary.update(deepgemm_summary(rows))
+    summary.update(schedule_summary(rows))
     host = host_overhead_us()
     summary["host_us_per_call"] = round(host["wrapper"], 2)
     summary["host_us_per_call_checked_groups"] = round(host["wrapper_checked_groups"], 2)
@@ -208,6 +212,27 @@ def main():
     plot(rows, path.replace(".json", ".png"), args.out)
     print_table(rows, summary)
     print(f"wrote {path}")
+
+
+# The forced-tile column that times the very call `ours` makes, by the default's tile (row["ours_tile"]).
+SAME_TILE_COLUMN = {"128x128": "ours_m128_ms", "192x128": "ours_m192_ms", "128x192": "ours_bn192_ms",
+                    "128x256": "ours_bn256_ms"}
+
+
+def same_tile_ratio(row):
+    """ours_ms over the time of the identical call forced to the default's tile, timed in the same rounds: a check
+    of the schedule, 1.0 up to noise when no column is favoured by its place in the rounds (a rotation read up to
+    x1.09 here, benchmarks/NOTES.md "Facts learned the hard way"). None without both times."""
+    twin = row.get(SAME_TILE_COLUMN.get(row.get("ours_tile"), ""))
+    return round(row["ours_ms"] / twin, 4) if twin and row.get("ours_ms") else None
+
+
+def schedule_summary(rows) -> dict:
+    """The median and the largest same-tile ratio over the rows (see same_tile_ratio)."""
+    ratios = sorted(r["ours_vs_same_tile"] for r in rows if r.get("ours_vs_same_tile"))
+    if not ratios:
+        return {"median_ours_vs_same_tile": None, "max_ours_vs_same_tile": None}
+    return {"median_ours_vs_same_tile": ratios[len(ratios) // 2], "max_ours_vs_same_tile": ratios[-1]}
 
 
 def deepgemm_summary(rows) -> dict:

@@ -350,3 +350,21 @@ def test_k_grouped_layout_check_catches_a_bad_quantizer(monkeypatch):
     with pytest.raises(AssertionError, match="outside the groups"):
         bkg.run_config(4, 300, 32, 32, "paper", 1, 3, CEIL, bkg.timing_plan([((4, 300, 32, 32), "paper")])[0], {},
                        dev="cpu")
+
+
+def test_m_grouped_same_tile_ratio_reads_the_rotation_bias_off_a_results_file():
+    """bench_m_grouped's schedule check: `ours` against the identical call forced to the default's tile. On the grid
+    timed with the old rotated rounds (where `ours` always followed `dense_cublas`) it reads what benchmarks/NOTES.md
+    quotes: median x1.007, up to x1.090."""
+    import json
+
+    from bench_m_grouped import same_tile_ratio, schedule_summary
+    with open(os.path.join(_ROOT, "benchmarks", "results", "m_grouped-20261203-1749.json")) as f:
+        rows = json.load(f)["rows"]
+    for row in rows:
+        row["ours_vs_same_tile"] = same_tile_ratio(row)
+    assert all(r["ours_vs_same_tile"] is not None for r in rows) and len(rows) == 30
+    summary = schedule_summary(rows)
+    assert round(summary["median_ours_vs_same_tile"], 3) == 1.007 and round(summary["max_ours_vs_same_tile"], 2) == 1.09
+    assert same_tile_ratio({"ours_tile": "192x128", "ours_ms": 1.0}) is None  # no twin timed: no ratio
+    assert schedule_summary([{}]) == {"median_ours_vs_same_tile": None, "max_ours_vs_same_tile": None}
