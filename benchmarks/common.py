@@ -100,11 +100,11 @@ def _warm_up(fns: dict, calls: int):
 def bench_interleaved(fns: dict, iters: int = 25, warmup: int = 5) -> dict:
     """Median milliseconds of each named callable, timed round-robin (one call of each per round, each after
     an L2 flush), so that clock and power drift over the run falls on every method alike. The rounds follow
-    `carryover_balanced_orders`: each method directly follows each other method equally often, so a neighbour's
-    effect on the clock (an FP8 GEMM timed right after a dense cuBLAS GEMM runs slower) falls on every method
-    alike too. A plain rotation does not do that: it keeps the cyclic order, so each method always follows the
-    same one (in m_grouped-20261203-1749, `ours`, always timed after `dense_cublas`, took up to 9% longer than the
-    identical forced-tile call timed after it). For long, power-hungry calls use bench_blocks instead: a call
+    `carryover_balanced_orders`: over a design's rounds each method directly follows each other method equally
+    often, so a neighbour's effect on the clock (an FP8 GEMM timed right after a dense cuBLAS GEMM runs slower) falls
+    on every method alike too. A plain rotation does not do that: it keeps the cyclic order, so a method follows the
+    same one in almost every round (in m_grouped-20261203-1749, `ours`, after `dense_cublas` in 22 of 25 rounds,
+    took up to 9% longer than the identical forced-tile call). For long, power-hungry calls use bench_blocks: a call
     inherits the clock state its predecessor left (the Mixtral-sized FP8 layer step: 53 ms after itself, 59 ms
     after the BF16 step). A callable that raises is reported as the exception's text instead of a time."""
     results, live = _warm_up(fns, warmup)

@@ -18,7 +18,8 @@ timeout ${H2H_S:-400} torchrun --standalone --nproc-per-node 1 recipes/moe_gpt.p
   --modes unpadded te bf16 --nondeterministic --profile-step 200 ${H2H_EXTRA:-} --out $OUT > $OUT/h2h.log 2>&1
 echo "h2h rc=$?"; grep -E "step +(0|100|200|299) |head|speedup|tokens|peak|Error|error" $OUT/h2h.log | grep -v Warning | tail -30
 # COUNTS_AB=1: megatron_tma's two modes again with the token counts kept on the GPU (--device-token-counts), same
-# steps and data, into $OUT/counts; compare its step times with the run above (the recipe's --compare merges them).
+# steps and data, into $OUT/counts; compare its step times and head_to_head block with the run above (two results:
+# --compare cannot merge them, their configs differ).
 if [ "${COUNTS_AB:-0}" = 1 ]; then
   echo "[$(( $(date +%s) - T0 ))s] head-to-head, --device-token-counts"
   mkdir -p $OUT/counts
