@@ -44,8 +44,9 @@ speedup_vs_<base> (base_ms / ours_ms) for each baseline the row has (with DeepGE
 deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm on the fp32_acc rows). Our kernel's two tiles are timed beside the default on every
 row, not as baselines: ours_block_m (the rows the default takes, megatron_tma.gemm.k_grouped_tile), ours_m128_ms
 and ours_m192_ms (block_m forced), m128_bitexact / m192_bitexact (torch.equal with the default's output),
-ours_m192_vs_m128 (m128_ms / m192_ms) and ours_vs_best_tile (the faster forced tile's ms / ours_ms: below 1 where
-the default chose the slower tile).
+ours_m192_vs_m128 (m128_ms / m192_ms), ours_vs_best_tile (the faster forced tile's ms / ours_ms: below 1 where
+the default chose the slower tile) and ours_vs_same_tile (ours_ms over the same tile forced: the identical call, so
+a check of the timing schedule, 1.0 up to noise).
 
     python benchmarks/bench_k_grouped.py [--quick] [--iters 25] [--out DIR]
 """
@@ -187,6 +188,9 @@ def finish_row(row: dict) -> dict:
         if row.get("ours_m128_ms") and row.get("ours_m192_ms"):
             row["ours_m192_vs_m128"] = round(row["ours_m128_ms"] / row["ours_m192_ms"], 4)
             row["ours_vs_best_tile"] = round(min(row["ours_m128_ms"], row["ours_m192_ms"]) / row["ours_ms"], 4)
+        twin = row.get(f"ours_m{row.get('ours_block_m')}_ms")  # the identical call, its tile forced
+        if twin:
+            row["ours_vs_same_tile"] = round(row["ours_ms"] / twin, 4)
     return row
 
 
@@ -235,6 +239,10 @@ def summarize(rows) -> dict:
         s[f"geomean_ours_m192_vs_m128_{kind}"] = _gm([r.get("ours_m192_vs_m128") for r in rs])
         s[f"geomean_ours_m192_vs_m128_big_groups_{kind}"] = _gm([r.get("ours_m192_vs_m128") for r in rs if is_big(r)])
     s["min_ours_vs_best_tile"] = _min([r.get("ours_vs_best_tile") for r in rows])
+    # a check of the schedule: the default call against itself with its tile forced, 1.0 up to noise when no column
+    # gains or loses by its place in the rounds (common.bench_interleaved)
+    same = [r["ours_vs_same_tile"] for r in rows if r.get("ours_vs_same_tile")]
+    s["max_ours_vs_same_tile"] = max(same) if same else None
     tile_bits = [r[f"m{b}_bitexact"] for r in rows for b in (128, 192) if f"m{b}_bitexact" in r]
     s["all_tiles_bitexact"] = all(b is True for b in tile_bits) if tile_bits else None
     return s

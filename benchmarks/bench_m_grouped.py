@@ -11,6 +11,10 @@ deepgemm_tflops, deepgemm_bitexact, speedup_vs_deepgemm (deepgemm_ms / ours_ms),
 deep_gemm those fields are absent and the run says so once; the JSON's top level records `deepgemm_present` and
 `deepgemm_version`.
 
+Our kernel's tiles are timed beside the default on every row (ours_m128, ours_m192, ours_bn192, ours_bn256: the tile
+forced; ours_tile: the default's choice). ours_vs_same_tile is ours_ms over the forced call with the default's own
+tile, the identical call: 1.0 up to noise when the schedule favours no column (summary: median and max).
+
     python benchmarks/bench_m_grouped.py [--quick] [--out DIR]
 """
 import argparse

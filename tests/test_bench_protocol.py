@@ -272,6 +272,12 @@ def test_k_grouped_tile_columns():
         r["m128_bitexact"] = r["m192_bitexact"] = True
     s = bkg.summarize(rows)
     assert s["min_ours_vs_best_tile"] == 0.9091 and s["all_tiles_bitexact"] is True
+    assert s["max_ours_vs_same_tile"] is None  # the rows do not say which tile the default took
+    for r, bm in zip(rows, (192, 128, 128, 192)):  # the default's tile: ours against that very call forced
+        r["ours_block_m"] = bm
+        bkg.finish_row(r)
+    assert [r["ours_vs_same_tile"] for r in rows] == [1.0, 1.0, 1.1, 1.0]
+    assert bkg.summarize(rows)["max_ours_vs_same_tile"] == 1.1
     assert s["geomean_ours_m192_vs_m128_bf16"] == pytest.approx((1.1111 * 0.9091) ** 0.5, abs=1e-4)
     assert s["geomean_ours_m192_vs_m128_fp32_acc"] == 1.0
     rows[3]["m192_bitexact"] = False
