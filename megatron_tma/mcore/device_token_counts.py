@@ -25,9 +25,6 @@ from .experts import _MegatronExperts
 
 __all__ = ["keep_token_counts_on_device", "refusal"]
 
-_PATCHED = ("_maybe_dtoh_and_synchronize", "dispatch_postprocess", "combine_preprocess")
-
-
 def _no_host_copy(self, point, tokens_per_expert=None):
     # The class method copies the counts (and the all-to-all splits, None at EP = 1) to the host on a side stream
     # and waits for them at the sync point; here they stay where preprocess computed them.
@@ -47,9 +44,11 @@ def _combine_preprocess(self, hidden_states):
 
 _METHODS = {"_maybe_dtoh_and_synchronize": _no_host_copy, "dispatch_postprocess": _dispatch_postprocess,
             "combine_preprocess": _combine_preprocess}
+_PATCHED = tuple(_METHODS)  # the dispatcher's methods an instance of it gets shadowed
 
 
 def _is_identity(order) -> bool:
+    # once per layer when patching, never per step (the index lives on the GPU with moe_permute_fusion)
     order = torch.as_tensor(order).cpu()
     return torch.equal(order, torch.arange(order.numel(), dtype=order.dtype))
 
