@@ -499,7 +499,7 @@ def plot(rows, png, out_dir):
         ax1.bar([x + (j - 0.5) * 0.4 for x in xs], [r.get("ours_over_roofline", 0) for r in by[kind]], 0.4,
                 label=f"ours / roofline, {kind}")
     ax1.set_ylabel("time / roofline (lower is better)")
-    ax1.set_title("K-grouped FP8 wgrad on H200: BF16 out and FP32 accumulate into main_grad")
+    ax1.set_title(f"K-grouped FP8 wgrad on {common.gpu_label()}: BF16 out and FP32 accumulate into main_grad")
     ax1.legend(fontsize=7)
     bars = [("bf16", bf, "BF16 out"), ("torch_rowwise", bf, "BF16 out")]
     if any("speedup_vs_deepgemm" in r for r in by["fp32_acc"]):

@@ -267,7 +267,7 @@ def plot(rows, png, out_dir):
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("speedup of ours (x)")
-    ax.set_title("Unpadded M-grouped FP8 GEMM on H200 (higher is better)")
+    ax.set_title(f"Unpadded M-grouped FP8 GEMM on {common.gpu_label()} (higher is better)")
     ax.legend()
     common.save_figure(fig, png, out_dir)
 

@@ -178,7 +178,7 @@ def plot(rows, ceilings, png, out_dir):
     ax.set_xticks(xs)
     ax.set_xticklabels([_label(r) for r in rows], fontsize=6)
     ax.set_ylabel("TB/s (bytes read + written)")
-    ax.set_title("FP8 quantizers on H200, bf16 in (red: target)")
+    ax.set_title(f"FP8 quantizers on {common.gpu_label()}, bf16 in (red: target)")
     ax.legend()
     common.save_figure(fig, png, out_dir)
 

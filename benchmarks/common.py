@@ -209,6 +209,12 @@ def measure_ceilings(iters: int = 20) -> dict:
     return {"copy_tbps": round(copy_tbps, 3), "dense_fp8_tflops": round(2 * n**3 / (ms * 1e-3) / 1e12, 1)}
 
 
+def gpu_label() -> str:
+    """The GPU's name for plot titles ("H100 80GB HBM3"), the vendor prefix dropped."""
+    name = torch.cuda.get_device_name()
+    return name[len("NVIDIA "):] if name.startswith("NVIDIA ") else name
+
+
 def git_commit() -> str:
     env = os.environ.get("MEGATRON_TMA_COMMIT")
     if env:

@@ -374,3 +374,28 @@ def test_m_grouped_same_tile_ratio_reads_the_rotation_bias_off_a_results_file():
     assert round(summary["median_ours_vs_same_tile"], 3) == 1.007 and round(summary["max_ours_vs_same_tile"], 2) == 1.09
     assert same_tile_ratio({"ours_tile": "192x128", "ours_ms": 1.0}) is None  # no twin timed: no ratio
     assert schedule_summary([{}]) == {"median_ours_vs_same_tile": None, "max_ours_vs_same_tile": None}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# What the results name: the GPU in the plot titles, and the quoted Transformer Engine numbers only beside the GPU
+# they were measured on (an H100 run once divided its own times into the H200's quoted ones).
+def test_gpu_label_names_the_gpu_the_run_saw(monkeypatch):
+    import torch
+    for name, label in [("NVIDIA H100 80GB HBM3", "H100 80GB HBM3"), ("NVIDIA H200", "H200"), ("Other GPU", "Other GPU")]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        assert common.gpu_label() == label
+
+
+def test_plot_titles_take_the_gpu_from_the_run():
+    for name in ("bench_m_grouped", "bench_k_grouped", "bench_mlp_layer", "bench_quant"):
+        src = open(os.path.join(_BENCH, name + ".py")).read()
+        titles = [line for line in src.splitlines() if "set_title(" in line]
+        assert titles and all("gpu_label()" in t for t in titles), (name, titles)
+        assert "H200" not in "".join(titles) and "H100" not in "".join(titles)
+
+
+def test_quoted_te_numbers_pair_only_with_an_h200():
+    import bench_mlp_layer
+    assert bench_mlp_layer.te_reported_comparable("NVIDIA H200")
+    assert not bench_mlp_layer.te_reported_comparable("NVIDIA H100 80GB HBM3")
+    assert not bench_mlp_layer.te_reported_comparable("NVIDIA H100 PCIe")
