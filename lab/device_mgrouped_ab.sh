@@ -9,7 +9,7 @@
 #     benchmarks/*.py | tar -x -C .ab/base        (then, on the GPU machine, carry .ab .dg .whl)
 #   ROUNDS=2 FULL=1 NCU_KG=1 PROFILE="qwen3_30b_a3b:128:32768" bash lab/device_mgrouped_ab.sh
 # HEAD_NVCC_EXTRA: extra nvcc flags for the head's build only, for a build-time variant of the same tree; e.g. the
-# fixed-stage serial loop: HEAD_NVCC_EXTRA=-DMEGATRON_TMA_MG_FIXED_STAGE=1 (base: `git archive HEAD ...` as above).
+# general M-grouped loop alone: HEAD_NVCC_EXTRA=-DMEGATRON_TMA_MG_FIXED_STAGE=0 (base: `git archive HEAD ...` as above).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=$OUT/res; mkdir -p "$R"
 BASE=${BASE:-.ab/base}
