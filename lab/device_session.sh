@@ -12,6 +12,8 @@
 #            the variant, bench_m_grouped.py --quick per tree in ROUNDS alternating rounds (DeepGEMM in each process)
 #   grids    the benchmark grids named in BENCHES (name:limit_s ...), JSON + PNG under res/
 #   vargrid  the variant's full M-grouped grid
+#   ncu_mg   our M-grouped kernel against DeepGEMM's on the rows it loses (MG_SHAPES, G:M:N:K ...): timed side by side
+#            with DeepGEMM's layout printed (lab/mgrouped_vs_deepgemm.py), then ncu of both on the first shape
 # The variant tree: mkdir -p .ab/var && git archive HEAD csrc megatron_tma scripts setup.py pyproject.toml \
 #   _build_backend.py MANIFEST.in lab benchmarks tests | tar -x -C .ab/var
 set -uo pipefail
@@ -87,6 +89,18 @@ for p in ${PHASES:-build suite}; do
     mkdir -p "$R/var"
     (cd $VAR && PYTHONPATH=$VAR_PP timeout $(left) python3 benchmarks/bench_m_grouped.py --out "$R/var") \
       > "$R/var/bench_m_grouped.log" 2>&1; echo "  variant grid rc=$? ($(since))"; tail -4 "$R/var/bench_m_grouped.log" ;;
+  ncu_mg)
+    phase ncu_mg 120 || continue
+    for sh in ${MG_SHAPES:-8:65536:6144:5120 32:65536:4096:7168}; do
+      timed 90 "$R/mg_vs_dg_${sh//:/_}.log" python3 lab/mgrouped_vs_deepgemm.py --shape "$sh"
+      grep -E "DeepGEMM bits|ours|deepgemm|Gemm|block" "$R/mg_vs_dg_${sh//:/_}.log" | head -12
+    done
+    sh=${MG_SHAPES:-8:65536:6144:5120}; sh=${sh%% *}
+    timed 200 "$R/ncu_mg.txt" ncu --clock-control none --kernel-name regex:"m_grouped_fp8_gemm_kernel|sm90_fp8_gemm_1d2d" \
+      --launch-skip 2 --launch-count 10 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section LaunchStats \
+      --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum,lts__t_bytes.sum,dram__bytes.sum,gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second \
+      python3 lab/mgrouped_vs_deepgemm.py --shape "$sh" --iters 0 --calls 1 ;;
   *) echo "unknown phase $p" ;;
   esac
 done
