@@ -11,6 +11,12 @@
 #pragma once
 #include <cstdint>
 
+// Build option for device A/B runs: the panel width. 8, 16 and 4 measured the same on the H200 (benchmarks/NOTES.md,
+// branch panel-ab); not measured on an H100, where the big rows trail DeepGEMM.
+#ifndef MEGATRON_TMA_MG_PANEL
+#define MEGATRON_TMA_MG_PANEL 8
+#endif
+
 namespace megatron_tma {
 
 struct MTile {
@@ -20,7 +26,7 @@ struct MTile {
   int n_block;    // output column block
 };
 
-template <int BLOCK_M, int kPanel = 8>
+template <int BLOCK_M, int kPanel = MEGATRON_TMA_MG_PANEL>
 struct MGroupedScheduler {
   const int* row_off;    // [G+1] clamped row offsets
   const int* mtile_off;  // [G+1] exclusive scan of ceil(M_g / BLOCK_M)
