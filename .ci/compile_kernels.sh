@@ -47,6 +47,8 @@ for src in csrc/instantiations/*.cu; do
 done
 # build-time variants kept compiling (and spill-free) for their device A/B: the M-grouped general K loop alone
 check csrc/instantiations/m_grouped_fp8_gemm.cu m_grouped_fp8_gemm.general_loop -DMEGATRON_TMA_MG_FIXED_STAGE=0
+# ... and the serial tiles in 2-CTA clusters sharing the weight tile (off by default until measured)
+check csrc/instantiations/m_grouped_fp8_gemm.cu m_grouped_fp8_gemm.cluster -DMEGATRON_TMA_MG_CLUSTER=1
 # the standalone studies under lab/ceiling/ (not built by setup.py): they must keep compiling too
 for src in lab/ceiling/*.cu; do
   [ -e "$src" ] || continue

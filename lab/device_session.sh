@@ -2,7 +2,7 @@
 # Lab: one device call made of phases, each run only if the call's deadline leaves it its estimated time, so that a
 # 30-minute session can be planned as a few full calls that each come back with their logs ($OUT/res.tgz) even when
 # a phase overruns. Carry .whl and .dg (DeepGEMM's build script), and .ab when VARIANT_FLAGS is set.
-#   PHASES="build suite ab" VARIANT_FLAGS=-DMEGATRON_TMA_MG_FIXED_STAGE=0 bash lab/device_session.sh
+#   PHASES="build suite ab" VARIANT_FLAGS=-DMEGATRON_TMA_MG_CLUSTER=1 bash lab/device_session.sh
 # Phases (in the order given):
 #   build    wheels into .site; this tree's extension, DeepGEMM, and (VARIANT_FLAGS) a copy of this tree under .ab/var
 #            built with those extra nvcc flags, all in parallel (a warm machine rebuilds incrementally)

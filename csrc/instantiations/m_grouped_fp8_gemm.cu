@@ -72,7 +72,7 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   {
     const uint64_t dims[3] = {(uint64_t)args.k, (uint64_t)args.n, (uint64_t)G};
     const uint64_t strides[2] = {(uint64_t)args.k, (uint64_t)args.n * args.k};
-    const uint32_t box[3] = {Config::BLOCK_K, Config::BLOCK_N, 1};
+    const uint32_t box[3] = {Config::BLOCK_K, Config::B_BOX_N, 1};  // half the tile in 2-CTA clusters
     if ((err = encode_tma(&p.b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, args.b, dims, strides, box,
                           CU_TENSOR_MAP_SWIZZLE_128B)) != cudaSuccess)
       return err;
@@ -103,12 +103,46 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   const size_t smem = Config::smem_bytes(G);
   if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
   const int num_sms = sm_count();
-  // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles.
+  // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles (in
+  // clusters of kCluster CTAs, each cluster taking a tile of kCluster x BLOCK_M rows).
   const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
-  const long long max_tiles = (static_cast<long long>(args.m_total) / Config::BLOCK_M + G) * n_blocks;
-  const int grid = static_cast<int>(max_tiles < num_sms ? max_tiles : num_sms);
-  kernel<<<grid, Config::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  const long long max_tiles = (static_cast<long long>(args.m_total) / Config::TILE_ROWS + G) * n_blocks;
+  const long long max_ctas = max_tiles * Config::kCluster;
+  if constexpr (Config::kCluster == 1) {
+    const int grid = static_cast<int>(max_ctas < num_sms ? max_ctas : num_sms);
+    kernel<<<grid, Config::kThreads, smem, stream>>>(p);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = Config::kCluster;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.blockDim = dim3(Config::kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = &cluster;
+    cfg.numAttrs = 1;
+    // A persistent grid must be resident at once: a cluster that waited for a free pair of SMs in one GPC would
+    // start its share of the tiles only when another had finished all of its own. So no more clusters than fit.
+    static std::atomic<int> resident[kMaxDevices] = {};
+    const int dev = current_device();
+    int clusters = dev < kMaxDevices ? resident[dev].load(std::memory_order_relaxed) : 0;
+    if (clusters == 0) {
+      cfg.gridDim = dim3(num_sms / Config::kCluster * Config::kCluster);
+      const cudaError_t pending = cudaPeekAtLastError();
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0) {
+        if (dev < kMaxDevices) resident[dev].store(clusters, std::memory_order_relaxed);
+      } else {  // one cluster per SM pair, this call only; clear the query's error, not one the caller has yet to see
+        if (pending == cudaSuccess) cudaGetLastError();
+        clusters = num_sms / Config::kCluster;
+      }
+    }
+    const long long cap = static_cast<long long>(clusters) * Config::kCluster;
+    cfg.gridDim = dim3(static_cast<unsigned>(max_ctas < cap ? max_ctas : cap));
+    return cudaLaunchKernelEx(&cfg, kernel, p);
+  }
 }
 
 }  // namespace megatron_tma

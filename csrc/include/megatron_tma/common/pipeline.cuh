@@ -1,9 +1,11 @@
 // The producer/consumer ring shared by the grouped GEMM kernels: STAGES shared-memory slots, each with a
 // "full" mbarrier (one producer arrival + TMA transaction bytes) and an "empty" mbarrier (one arrival per
-// consumer warp). Both sides walk the ring with the same (stage, phase) state.
+// consumer warp, of every CTA of the cluster when CLUSTER > 1). Both sides walk the ring with the same (stage,
+// phase) state.
 #pragma once
 #include <cstdint>
 #include <type_traits>
+#include "megatron_tma/common/cluster.cuh"
 #include "megatron_tma/common/mbarrier.cuh"
 
 namespace megatron_tma {
@@ -28,7 +30,10 @@ struct PipelineState {
   }
 };
 
-template <int STAGES>
+// CLUSTER > 1: the CTAs of a cluster fill each other's slots (a multicast TMA load), so a slot is free only once the
+// consumers of every CTA have released it: each consumer warp arrives on the empty barrier of every CTA, and
+// init's count is the cluster's consumer warps.
+template <int STAGES, int CLUSTER = 1>
 struct Pipeline {
   uint64_t* full;   // [STAGES]
   uint64_t* empty;  // [STAGES]
@@ -64,7 +69,11 @@ struct Pipeline {
   // Consumer warp: hand the slot back once every read of it (wgmma included) is complete.
   __device__ __forceinline__ void consumer_release(const PipelineState<STAGES>& st, int lane) const {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[st.stage]);
+    if constexpr (CLUSTER == 1) {
+      if (lane == 0) mbar_arrive(&empty[st.stage]);
+    } else {
+      if (lane < CLUSTER) mbar_arrive_cluster(&empty[st.stage], static_cast<uint32_t>(lane));
+    }
   }
 };
 

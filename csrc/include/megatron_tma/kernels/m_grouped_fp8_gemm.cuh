@@ -25,6 +25,7 @@
 
 #include "megatron_tma/common/groups.cuh"
 #include "megatron_tma/common/mbarrier.cuh"
+#include "megatron_tma/common/cluster.cuh"
 #include "megatron_tma/common/pipeline.cuh"
 #include "megatron_tma/common/promotion.cuh"
 #include "megatron_tma/common/residual_store.cuh"
@@ -38,6 +39,11 @@
 #ifndef MEGATRON_TMA_MG_FIXED_STAGE
 #define MEGATRON_TMA_MG_FIXED_STAGE 1
 #endif
+// Build option: the serial kernels (192 x 128, 128 x 192) in 2-CTA clusters that share the weight tile (Config::
+// kCluster); off until measured on a GPU. DeepGEMM runs its 128 x 192 tiles so on every grid row.
+#ifndef MEGATRON_TMA_MG_CLUSTER
+#define MEGATRON_TMA_MG_CLUSTER 0
+#endif
 
 namespace megatron_tma {
 
@@ -45,7 +51,7 @@ constexpr int kStorePoolSize = 7;  // box heights 1, 2, ..., 64 rows (one math w
 
 struct MGroupedGemmParams {
   CUtensorMap a;                        // e4m3 [M_total, K]: dims (K, M_total), box (128, 128), SW128
-  CUtensorMap b;                        // e4m3 [G, N, K]: dims (K, N, G), box (128, BLOCK_N, 1), SW128
+  CUtensorMap b;                        // e4m3 [G, N, K]: dims (K, N, G), box (128, B_BOX_N, 1), SW128
   CUtensorMap a_scales;                 // fp32 storage [K/128, ld]: dims (M_total, K/128), box (132, 1)
   CUtensorMap d_pool[kStorePoolSize];   // bf16 [M_total, N]: dims (N, M_total), box (64, 2^k), SW128
   const float* b_scales;                // fp32 [G, ceil(N/128), K/128]
@@ -58,7 +64,9 @@ struct MGroupedGemmConfig {
   // MATH_WG math warpgroups of 64 rows each: BLOCK_M = 128 (two) or 192 (three; BLOCK_N 128 only)
   static constexpr int kMathWarpgroups = MATH_WG_, kThreads = 128 * (1 + kMathWarpgroups);
   static constexpr int BLOCK_M = 64 * kMathWarpgroups, BLOCK_N = BLOCK_N_, BLOCK_K = 128, STAGES = STAGES_;
-  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? 24 : 40, kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
+  // (The three-warpgroup producer in a cluster gets 32: at 24 its tile loop spilled; 32 fills the pool exactly.)
+  static constexpr int kProducerRegs = kMathWarpgroups == 3 ? (MEGATRON_TMA_MG_CLUSTER ? 32 : 24) : 40;
+  static constexpr int kMathRegs = kMathWarpgroups == 3 ? 160 : 232;
   // setmaxnreg.inc takes its registers from the CTA pool, which holds only what setmaxnreg.dec released
   // (the launch gives every thread 64K / kThreads rounded down to 8: 168, or 128 for 512 threads): a split over
   // that budget hangs.
@@ -99,6 +107,14 @@ struct MGroupedGemmConfig {
   static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
   static constexpr int N_HALVES = BLOCK_N / N_INSTR;
   static constexpr bool kSerial = BLOCK_N == 192 || kMathWarpgroups == 3;  // one partial, promoted per block
+  // 2: 2-CTA clusters along M (MEGATRON_TMA_MG_CLUSTER, serial tiles only). The scheduler hands a cluster one tile
+  // of 2 x BLOCK_M rows of a group; CTA rank r computes its rows [r x BLOCK_M, (r + 1) x BLOCK_M) against the same
+  // weight tile, of which each CTA loads one half (B_BOX_N rows) and multicasts it into both: per K block a CTA
+  // reads BLOCK_M + BLOCK_N / 2 rows from L2 instead of BLOCK_M + BLOCK_N. When rank 1 holds no row (a group's
+  // last tile of at most BLOCK_M rows), rank 0 loads the whole weight tile and rank 1 only walks the ring.
+  static constexpr int kCluster = (MEGATRON_TMA_MG_CLUSTER && kSerial) ? 2 : 1;
+  static constexpr int B_BOX_N = BLOCK_N / kCluster;  // rows of the weight tensor map's box
+  static constexpr int TILE_ROWS = BLOCK_M * kCluster;  // rows of one scheduler tile
   static_assert(BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 256, "BLOCK_N is 128, 192 or 256");
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && BLOCK_N == 128), "three warpgroups: 192 x 128");
 };
@@ -116,9 +132,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
   int* row_off = reinterpret_cast<int*>(smem + Cfg::OFF_GROUPS);
   int* mtile_off = row_off + G + 1;
 
-  const Pipeline<Cfg::STAGES> pipe{full_bar, empty_bar};
+  const Pipeline<Cfg::STAGES, Cfg::kCluster> pipe{full_bar, empty_bar};
   if (threadIdx.x == 0) {
-    pipe.init(Cfg::kMathWarpgroups * 4);  // one release per math warp
+    pipe.init(Cfg::kMathWarpgroups * 4 * Cfg::kCluster);  // one release per math warp of the cluster
     tma_prefetch_descriptor(&p.a);
     tma_prefetch_descriptor(&p.b);
     tma_prefetch_descriptor(&p.a_scales);
@@ -126,12 +142,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
   // Group offsets and row-tile offsets, built by this CTA from the device tensor (no prep launch).
   block_exclusive_scan(G, [&](int i) { return groups_size(p.groups, i); }, row_off, p.m_total, scratch);
   block_exclusive_scan(
-      G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M; }, mtile_off,
+      G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::TILE_ROWS - 1) / Cfg::TILE_ROWS; }, mtile_off,
       0x7fffffff, scratch);
+  // The peer's barriers are initialised before this CTA multicasts into its slots or arrives on them.
+  if constexpr (Cfg::kCluster == 2) cluster_sync();
 
   const int num_kb = p.k / Cfg::BLOCK_K;
-  MGroupedScheduler<Cfg::BLOCK_M> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
-  const int num_tiles = sched.num_tiles();
+  MGroupedScheduler<Cfg::TILE_ROWS> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
+  // In clusters each role reads the tile count after its setmaxnreg: held across it (and across the cluster
+  // barrier), ptxas spilled it.
+  const int num_tiles_here = Cfg::kCluster == 1 ? sched.num_tiles() : 0;
+  auto tile_count = [&] { return Cfg::kCluster == 1 ? num_tiles_here : sched.num_tiles(); };
+  // A cluster walks the scheduler's tiles as one CTA would (tile blockIdx.x / kCluster, stride gridDim.x /
+  // kCluster); its CTAs split each tile's rows. The rank is read where it is used, not held across setmaxnreg
+  // (held, it was spilled).
+  auto cta_rank = [] { return Cfg::kCluster == 2 ? static_cast<int>(cluster_ctarank()) : 0; };
+  auto own_rows = [&](MTile t) {  // this CTA's part of a scheduler tile: rows <= 0 when it holds none
+    if constexpr (Cfg::kCluster == 2) {
+      t.row_start += cta_rank() * Cfg::BLOCK_M;
+      t.rows = min(Cfg::BLOCK_M, t.rows - cta_rank() * Cfg::BLOCK_M);
+    }
+    return t;
+  };
   // Broadcast from lane 0: the compiler then knows the warpgroup index (and all derived from it: the stage
   // descriptors) is warp-uniform and keeps it in uniform registers, which is where wgmma reads descriptors.
   const int warpgroup = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -147,21 +179,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       // delayed the next stage's TMA issue (-3.6% on the 128 x 128 kernel, whose ring runs nearly empty).
       const int n_b128 = (p.n + 127) / 128;
       PipelineState<Cfg::STAGES> st;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const MTile tile = sched.get(t);
+      const int num_tiles = tile_count();
+      for (int t = blockIdx.x / Cfg::kCluster; t < num_tiles; t += gridDim.x / Cfg::kCluster) {
+        const MTile whole = sched.get(t);
+        const MTile tile = own_rows(whole);
+        // Cluster: a CTA without rows loads nothing (its ring turns on the producer's arrival alone); the weight
+        // tile is multicast when both CTAs hold rows, else loaded whole by rank 0.
+        const bool has_rows = Cfg::kCluster == 1 || tile.rows > 0;
+        const bool shared_b = Cfg::kCluster == 2 && whole.rows > Cfg::BLOCK_M;
         const int b = tile.n_block * Cfg::BLOCK_N / 128;  // first 128-column weight block under the tile
         const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b) * num_kb;
         const int hi = b + 1 < n_b128 ? num_kb : 0;  // a 192/256-wide tile at the edge: clamped (never promoted)
         for (int kb = 0; kb < num_kb; ++kb, st.advance()) {
           pipe.producer_wait(st);
           uint8_t* slot = smem + Cfg::OFF_SA + st.stage * Cfg::SA_SLOT;
-          cp_async_4(slot + Cfg::SB_OFF, bs + kb);
-          if (Cfg::kBScales == 2) cp_async_4(slot + Cfg::SB_OFF + 4, bs + hi + kb);
-          mbar_arrive_on_cp_async(&full_bar[st.stage]);
-          uint64_t* bar = pipe.producer_arrive(st, Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES);
+          if (has_rows) {
+            cp_async_4(slot + Cfg::SB_OFF, bs + kb);
+            if (Cfg::kBScales == 2) cp_async_4(slot + Cfg::SB_OFF + 4, bs + hi + kb);
+            mbar_arrive_on_cp_async(&full_bar[st.stage]);
+          }
+          uint64_t* bar = pipe.producer_arrive(st, has_rows ? Cfg::A_BYTES + Cfg::B_BYTES + Cfg::SA_BYTES : 0);
+          if (!has_rows) continue;
           tma_load_2d(&p.a, bar, smem + Cfg::OFF_A + st.stage * Cfg::A_BYTES, kb * Cfg::BLOCK_K, tile.row_start);
-          tma_load_3d(&p.b, bar, smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES, kb * Cfg::BLOCK_K,
-                      tile.n_block * Cfg::BLOCK_N, tile.group);
+          uint8_t* b_stage = smem + Cfg::OFF_B + st.stage * Cfg::B_BYTES;
+          if constexpr (Cfg::kCluster == 2) {
+            constexpr int kHalf = Cfg::B_BOX_N * Cfg::BLOCK_K;  // bytes of one half (a multiple of 1024)
+            if (shared_b) {
+              tma_load_3d_multicast(&p.b, bar, b_stage + cta_rank() * kHalf, kb * Cfg::BLOCK_K,
+                                    tile.n_block * Cfg::BLOCK_N + cta_rank() * Cfg::B_BOX_N, tile.group, 0b11);
+            } else {
+              tma_load_3d(&p.b, bar, b_stage, kb * Cfg::BLOCK_K, tile.n_block * Cfg::BLOCK_N, tile.group);
+              tma_load_3d(&p.b, bar, b_stage + kHalf, kb * Cfg::BLOCK_K, tile.n_block * Cfg::BLOCK_N + Cfg::B_BOX_N,
+                          tile.group);
+            }
+          } else {
+            tma_load_3d(&p.b, bar, b_stage, kb * Cfg::BLOCK_K, tile.n_block * Cfg::BLOCK_N, tile.group);
+          }
           tma_load_2d(&p.a_scales, bar, slot, tile.row_start & ~3, kb);
         }
       }
@@ -320,8 +373,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
     };
     const bool fixed_stages = MEGATRON_TMA_MG_FIXED_STAGE && num_kb % Cfg::STAGES == 0;
 
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      const MTile tile = sched.get(t);
+    const int num_tiles = tile_count();
+    for (int t = blockIdx.x / Cfg::kCluster; t < num_tiles; t += gridDim.x / Cfg::kCluster) {
+      const MTile tile = own_rows(sched.get(t));
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
       const int halves = min(H, (p.n + 127) / 128 - tile.n_block * H);  // a last tile may cover one 128-column block
 #pragma unroll
@@ -394,6 +448,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       }
     }
     if (tid == 0) tma_store_wait_all();
+  }
+  // No CTA leaves while its peer may still arrive on its barriers.
+  if constexpr (Cfg::kCluster == 2) {
+    __syncwarp();
+    cluster_sync();
   }
 }
 
