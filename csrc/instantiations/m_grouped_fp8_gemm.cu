@@ -104,10 +104,11 @@ cudaError_t launch(const MGroupedGemmArgs& args, cudaStream_t stream) {
   if ((err = ensure_smem_limit<Config>(kernel, smem)) != cudaSuccess) return err;
   const int num_sms = sm_count();
   // Real tiles are known only on the device; launch one CTA per SM, capped by the upper bound on tiles (in
-  // clusters of kCluster CTAs, each cluster taking a tile of kCluster x BLOCK_M rows).
+  // clusters: on pairs of row tiles, two CTAs each).
   const long long n_blocks = (args.n + Config::BLOCK_N - 1) / Config::BLOCK_N;
-  const long long max_tiles = (static_cast<long long>(args.m_total) / Config::TILE_ROWS + G) * n_blocks;
-  const long long max_ctas = max_tiles * Config::kCluster;
+  const long long row_tiles = static_cast<long long>(args.m_total) / Config::BLOCK_M + G;  // >= sum ceil(M_g / BM)
+  const long long max_ctas =
+      (Config::kCluster == 1 ? row_tiles : (row_tiles + 1) / 2 * Config::kCluster) * n_blocks;
   if constexpr (Config::kCluster == 1) {
     const int grid = static_cast<int>(max_ctas < num_sms ? max_ctas : num_sms);
     kernel<<<grid, Config::kThreads, smem, stream>>>(p);

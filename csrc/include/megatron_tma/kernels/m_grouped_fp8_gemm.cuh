@@ -31,6 +31,7 @@
 #include "megatron_tma/common/residual_store.cuh"
 #include "megatron_tma/common/tma.cuh"
 #include "megatron_tma/common/wgmma.cuh"
+#include "megatron_tma/scheduler/m_grouped_pair_scheduler.cuh"
 #include "megatron_tma/scheduler/m_grouped_scheduler.cuh"
 
 // Build option: the serial kernels' fixed-stage K loop (mainloop_fixed below), on by default since its A/B on an H100
@@ -107,14 +108,13 @@ struct MGroupedGemmConfig {
   static constexpr int N_INSTR = BLOCK_N == 192 ? 192 : 128;  // N of one wgmma instruction
   static constexpr int N_HALVES = BLOCK_N / N_INSTR;
   static constexpr bool kSerial = BLOCK_N == 192 || kMathWarpgroups == 3;  // one partial, promoted per block
-  // 2: 2-CTA clusters along M (MEGATRON_TMA_MG_CLUSTER, serial tiles only). The scheduler hands a cluster one tile
-  // of 2 x BLOCK_M rows of a group; CTA rank r computes its rows [r x BLOCK_M, (r + 1) x BLOCK_M) against the same
+  // 2: 2-CTA clusters along M (MEGATRON_TMA_MG_CLUSTER, serial tiles only). A cluster takes two neighbouring row
+  // tiles with one column block (scheduler/m_grouped_pair_scheduler.cuh); when both lie in one group they share the
   // weight tile, of which each CTA loads one half (B_BOX_N rows) and multicasts it into both: per K block a CTA
-  // reads BLOCK_M + BLOCK_N / 2 rows from L2 instead of BLOCK_M + BLOCK_N. When rank 1 holds no row (a group's
-  // last tile of at most BLOCK_M rows), rank 0 loads the whole weight tile and rank 1 only walks the ring.
+  // reads BLOCK_M + BLOCK_N / 2 rows from L2 instead of BLOCK_M + BLOCK_N. Across a group boundary each CTA loads
+  // its own weight tile (two half boxes); a CTA without a row tile (odd tile count) only walks the ring.
   static constexpr int kCluster = (MEGATRON_TMA_MG_CLUSTER && kSerial) ? 2 : 1;
   static constexpr int B_BOX_N = BLOCK_N / kCluster;  // rows of the weight tensor map's box
-  static constexpr int TILE_ROWS = BLOCK_M * kCluster;  // rows of one scheduler tile
   static_assert(BLOCK_N == 128 || BLOCK_N == 192 || BLOCK_N == 256, "BLOCK_N is 128, 192 or 256");
   static_assert(kMathWarpgroups == 2 || (kMathWarpgroups == 3 && BLOCK_N == 128), "three warpgroups: 192 x 128");
 };
@@ -142,27 +142,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
   // Group offsets and row-tile offsets, built by this CTA from the device tensor (no prep launch).
   block_exclusive_scan(G, [&](int i) { return groups_size(p.groups, i); }, row_off, p.m_total, scratch);
   block_exclusive_scan(
-      G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::TILE_ROWS - 1) / Cfg::TILE_ROWS; }, mtile_off,
+      G, [&](int i) { return (row_off[i + 1] - row_off[i] + Cfg::BLOCK_M - 1) / Cfg::BLOCK_M; }, mtile_off,
       0x7fffffff, scratch);
   // The peer's barriers are initialised before this CTA multicasts into its slots or arrives on them.
   if constexpr (Cfg::kCluster == 2) cluster_sync();
 
   const int num_kb = p.k / Cfg::BLOCK_K;
-  MGroupedScheduler<Cfg::TILE_ROWS> sched{row_off, mtile_off, G, (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N};
+  const int n_blocks = (p.n + Cfg::BLOCK_N - 1) / Cfg::BLOCK_N;
+  MGroupedScheduler<Cfg::BLOCK_M> sched{row_off, mtile_off, G, n_blocks};
+  const MGroupedPairScheduler<Cfg::BLOCK_M> pairs{row_off, mtile_off, G, n_blocks};  // kCluster == 2
   // In clusters each role reads the tile count after its setmaxnreg: held across it (and across the cluster
   // barrier), ptxas spilled it.
   const int num_tiles_here = Cfg::kCluster == 1 ? sched.num_tiles() : 0;
-  auto tile_count = [&] { return Cfg::kCluster == 1 ? num_tiles_here : sched.num_tiles(); };
+  auto tile_count = [&] { return Cfg::kCluster == 1 ? num_tiles_here : pairs.num_tiles(); };
   // A cluster walks the scheduler's tiles as one CTA would (tile blockIdx.x / kCluster, stride gridDim.x /
-  // kCluster); its CTAs split each tile's rows. The rank is read where it is used, not held across setmaxnreg
-  // (held, it was spilled).
+  // kCluster). The rank is read where it is used, not held across setmaxnreg (held, it was spilled).
   auto cta_rank = [] { return Cfg::kCluster == 2 ? static_cast<int>(cluster_ctarank()) : 0; };
-  auto own_rows = [&](MTile t) {  // this CTA's part of a scheduler tile: rows <= 0 when it holds none
+  // This CTA's row tile of tile t (rows = 0: none), and whether the cluster's two row tiles share the weight tile.
+  auto next_tile = [&](int t, bool& shared) {
     if constexpr (Cfg::kCluster == 2) {
-      t.row_start += cta_rank() * Cfg::BLOCK_M;
-      t.rows = min(Cfg::BLOCK_M, t.rows - cta_rank() * Cfg::BLOCK_M);
+      return pairs.get(t, cta_rank(), shared);
+    } else {
+      shared = false;
+      return sched.get(t);
     }
-    return t;
   };
   // Broadcast from lane 0: the compiler then knows the warpgroup index (and all derived from it: the stage
   // descriptors) is warp-uniform and keeps it in uniform registers, which is where wgmma reads descriptors.
@@ -181,12 +184,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
       PipelineState<Cfg::STAGES> st;
       const int num_tiles = tile_count();
       for (int t = blockIdx.x / Cfg::kCluster; t < num_tiles; t += gridDim.x / Cfg::kCluster) {
-        const MTile whole = sched.get(t);
-        const MTile tile = own_rows(whole);
-        // Cluster: a CTA without rows loads nothing (its ring turns on the producer's arrival alone); the weight
-        // tile is multicast when both CTAs hold rows, else loaded whole by rank 0.
+        bool shared_b;
+        const MTile tile = next_tile(t, shared_b);
+        // Cluster: a CTA without a row tile loads nothing (its ring turns on the producer's arrival alone); the
+        // weight tile is multicast when the two row tiles share it, else each CTA loads its own whole.
         const bool has_rows = Cfg::kCluster == 1 || tile.rows > 0;
-        const bool shared_b = Cfg::kCluster == 2 && whole.rows > Cfg::BLOCK_M;
         const int b = tile.n_block * Cfg::BLOCK_N / 128;  // first 128-column weight block under the tile
         const float* bs = p.b_scales + (static_cast<size_t>(tile.group) * n_b128 + b) * num_kb;
         const int hi = b + 1 < n_b128 ? num_kb : 0;  // a 192/256-wide tile at the edge: clamped (never promoted)
@@ -375,7 +377,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
 
     const int num_tiles = tile_count();
     for (int t = blockIdx.x / Cfg::kCluster; t < num_tiles; t += gridDim.x / Cfg::kCluster) {
-      const MTile tile = own_rows(sched.get(t));
+      bool shared_b;
+      const MTile tile = next_tile(t, shared_b);
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
       const int halves = min(H, (p.n + 127) / 128 - tile.n_block * H);  // a last tile may cover one 128-column block
 #pragma unroll
