@@ -48,13 +48,16 @@ def check(schedule, block_m, n_blocks, sizes):
     assert len(single) == len(want) and set(single) == want
     got = []
     row_tiles = sum(-(-s // block_m) for s in sizes)
+    order = sorted({(g, r) for g, r, _, _ in want}, key=lambda t: t[1])  # row tiles in global order
+    index = {t: i for i, t in enumerate(order)}
     assert len(pairs) == (row_tiles + 1) // 2 * n_blocks
     for shared, g0, rs0, r0, g1, rs1, r1, nb in pairs:
         assert r0 > 0, "rank 0 always holds a row tile"
         got.append((g0, rs0, r0, nb))
         if r1 > 0:
             got.append((g1, rs1, r1, nb))
-            assert rs1 == rs0 + r0 and r0 == block_m or g1 != g0, "rank 1 takes the next row tile"
+            assert index[(g1, rs1)] == index[(g0, rs0)] + 1, "rank 1 takes the next row tile"
+            assert index[(g0, rs0)] % 2 == 0, "pairs start on even row tiles"
         assert bool(shared) == (r1 > 0 and g0 == g1)
     assert len(got) == len(want) and set(got) == want, "every row tile once per column block"
     idle = sum(1 for p in pairs if p[6] == 0)

@@ -39,6 +39,12 @@ void run(int n_blocks, const std::vector<int>& sizes) {
       std::printf("ranks disagree at tile %d\n", t);
       return;
     }
+    const megatron_tma::MTile o0 = pairs.own(t, 0), o1 = pairs.own(t, 1);
+    if (o0.row_start != a.row_start || o0.rows != a.rows || o0.group != a.group || o1.rows != b.rows ||
+        (b.rows > 0 && (o1.row_start != b.row_start || o1.group != b.group))) {
+      std::printf("own() disagrees with get() at tile %d\n", t);
+      return;
+    }
     std::printf("%d %d %d %d %d %d %d %d\n", s0 ? 1 : 0, a.group, a.row_start, a.rows, b.group, b.row_start, b.rows,
                 a.n_block);
   }

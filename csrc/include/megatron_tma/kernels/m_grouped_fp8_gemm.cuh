@@ -377,8 +377,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) m_grouped_fp8_gemm_kernel(co
 
     const int num_tiles = tile_count();
     for (int t = blockIdx.x / Cfg::kCluster; t < num_tiles; t += gridDim.x / Cfg::kCluster) {
-      bool shared_b;
-      const MTile tile = next_tile(t, shared_b);
+      MTile tile;
+      if constexpr (Cfg::kCluster == 2) {
+        tile = pairs.own(t, cta_rank());  // one group search: the math warps need not know if B is shared
+      } else {
+        bool shared_b;
+        tile = next_tile(t, shared_b);
+      }
       const bool active = tile.rows > 64 * mwg;  // else this half holds no valid row: skip its math
       const int halves = min(H, (p.n + 127) / 128 - tile.n_block * H);  // a last tile may cover one 128-column block
 #pragma unroll

@@ -43,15 +43,33 @@ struct MGroupedPairScheduler {
     return tile;
   }
 
-  // Pair tile t: the row tile of CTA `rank` (rows = 0 when it holds none) and whether the pair shares one weight
-  // tile (both row tiles exist and lie in one group). Both CTAs of a cluster get the same `shared`.
-  __device__ __forceinline__ MTile get(int t, int rank, bool& shared) const {
+  // Pair tile t: its pair index and column block.
+  __device__ __forceinline__ void locate(int t, int& pair, int& n_block) const {
     const int pairs = (num_row_tiles() + 1) / 2;
     const int panel = t / (kPanel * pairs);
     const int in_panel = t - panel * kPanel * pairs;
     const int width = min(kPanel, n_blocks - panel * kPanel);
-    const int pair = in_panel / width;
-    const int n_block = panel * kPanel + (in_panel - pair * width);
+    pair = in_panel / width;
+    n_block = panel * kPanel + (in_panel - pair * width);
+  }
+
+  // Pair tile t's row tile of CTA `rank` alone (rows = 0 when it holds none): one group search, for the math warps,
+  // which need not know whether the weight tile is shared.
+  __device__ __forceinline__ MTile own(int t, int rank) const {
+    int pair, n_block;
+    locate(t, pair, n_block);
+    const int m = 2 * pair + rank;
+    if (m < num_row_tiles()) return row_tile(m, n_block);
+    MTile none = row_tile(m - 1, n_block);
+    none.rows = 0;
+    return none;
+  }
+
+  // Pair tile t: the row tile of CTA `rank` (rows = 0 when it holds none) and whether the pair shares one weight
+  // tile (both row tiles exist and lie in one group). Both CTAs of a cluster get the same `shared`.
+  __device__ __forceinline__ MTile get(int t, int rank, bool& shared) const {
+    int pair, n_block;
+    locate(t, pair, n_block);
     const int m0 = 2 * pair, m1 = m0 + 1;
     const MTile t0 = row_tile(m0, n_block);
     if (m1 >= num_row_tiles()) {  // odd T: the last pair has one row tile
