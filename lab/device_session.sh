@@ -13,7 +13,8 @@
 #   grids    the benchmark grids named in BENCHES (name:limit_s ...), JSON + PNG under res/
 #   vargrid  the variant's full M-grouped grid
 #   ncu_mg   our M-grouped kernel against DeepGEMM's on the rows it loses (MG_SHAPES, G:M:N:K ...): timed side by side
-#            with DeepGEMM's layout printed (lab/mgrouped_vs_deepgemm.py), then ncu of both on the first shape
+#            with DeepGEMM's layout printed (lab/mgrouped_vs_deepgemm.py, extra arguments MG_ARGS), in each tree of
+#            MG_TREES (base, var), then (unless MG_NCU=0) ncu of both on the first shape
 # The variant tree: mkdir -p .ab/var && git archive HEAD csrc megatron_tma scripts setup.py pyproject.toml \
 #   _build_backend.py MANIFEST.in lab benchmarks tests | tar -x -C .ab/var
 set -uo pipefail
@@ -92,10 +93,15 @@ for p in ${PHASES:-build suite}; do
       > "$R/var/bench_m_grouped.log" 2>&1; echo "  variant grid rc=$? ($(since))"; tail -4 "$R/var/bench_m_grouped.log" ;;
   ncu_mg)
     phase ncu_mg 120 || continue
-    for sh in ${MG_SHAPES:-8:65536:6144:5120 32:65536:4096:7168}; do
-      timed 90 "$R/mg_vs_dg_${sh//:/_}.log" python3 lab/mgrouped_vs_deepgemm.py --shape "$sh"
-      grep -E "DeepGEMM bits|ours|deepgemm|Gemm|block" "$R/mg_vs_dg_${sh//:/_}.log" | head -12
+    for t in ${MG_TREES:-base}; do
+      d=.; pp=$PYTHONPATH; [ $t = var ] && { d=$VAR; pp=$VAR_PP; }
+      for sh in ${MG_SHAPES:-8:65536:6144:5120 32:65536:4096:7168}; do
+        log="$R/mg_vs_dg_${t}_${sh//:/_}.log"
+        (cd $d && PYTHONPATH=$pp timeout 150 python3 lab/mgrouped_vs_deepgemm.py --shape "$sh" ${MG_ARGS:-}) > "$log" 2>&1
+        echo "  $t $sh rc=$? ($(since))"; grep -E "DeepGEMM bits|ours|deepgemm|sustained|block_m" "$log" | cut -c1-260 | head -16
+      done
     done
+    [ "${MG_NCU:-1}" = 1 ] || continue
     sh=${MG_SHAPES:-8:65536:6144:5120}; sh=${sh%% *}
     timed 200 "$R/ncu_mg.txt" ncu --clock-control none --kernel-name regex:"m_grouped_fp8_gemm_kernel|sm90_fp8_gemm_1d2d" \
       --launch-skip 2 --launch-count 10 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

@@ -13,8 +13,12 @@ Why: on an H100 DeepGEMM beat our kernel by up to 14% on the big rows of the gri
 that, or something else, is the difference.
 """
 import argparse
+import datetime
 import os
+import subprocess
 import sys
+import tempfile
+import time
 
 os.environ.setdefault("DG_PRINT_CONFIGS", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +62,9 @@ def main():
                     help="our forced tiles timed beside the default (BMxBN, comma-separated)")
     ap.add_argument("--iters", type=int, default=20, help="timed rounds (0: none, for ncu)")
     ap.add_argument("--calls", type=int, default=1, help="untimed calls per method after the warm-up (for ncu)")
+    ap.add_argument("--sustained", type=int, default=0,
+                    help="then each method N calls back to back (no flush; forward order, then reverse), with the SM "
+                         "clock and board power sampled by nvidia-smi: time per call at the clocks a long run holds")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -101,6 +108,56 @@ def main():
                 if isinstance(ms.get("deepgemm"), float):
                     line += f", DeepGEMM / this {ms['deepgemm'] / t:.3f}"
             print(line, flush=True)
+    if args.sustained:
+        sustained(fns, args.sustained, 2.0 * M * N * K)
+
+
+def sustained(fns, calls, flops):
+    """Each method `calls` times back to back, twice (forward order, then reverse); per method the time per call and
+    the mean SM clock and power over its windows. Says whether a timed gap is the kernel (same clock, more time) or
+    the power limit (the clock drops under one method's load more than under another's)."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-lms", "20"], stdout=log, stderr=subprocess.DEVNULL)
+    windows, per_call = {n: [] for n in fns}, {n: [] for n in fns}
+    try:
+        time.sleep(0.5)
+        for order in (list(fns), list(fns)[::-1]):
+            for name in order:
+                fn = fns[name]
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.time()
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                end.synchronize()
+                windows[name].append((t0, time.time()))
+                per_call[name].append(start.elapsed_time(end) / calls)
+        time.sleep(0.1)
+    finally:
+        smi.terminate()
+        smi.wait()
+    samples = []
+    for line in open(log.name):
+        parts = [v.strip() for v in line.split(",")]
+        try:
+            ts = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((ts, float(parts[1]), float(parts[2])))
+        except (ValueError, IndexError):
+            continue
+    os.unlink(log.name)
+    print(f"sustained: {calls} calls back to back per method and pass, {len(samples)} nvidia-smi samples", flush=True)
+    for name in fns:
+        # skip the first 30% of each window: the clock settles after the previous method's load
+        inside = [(c, w) for a, b in windows[name] for ts, c, w in samples if a + 0.3 * (b - a) <= ts <= b]
+        clock = sum(c for c, _ in inside) / len(inside) if inside else float("nan")
+        power = sum(w for _, w in inside) / len(inside) if inside else float("nan")
+        ms = sum(per_call[name]) / len(per_call[name])
+        print(f"  {name:>14}: {ms:.4f} ms/call ({' / '.join('%.4f' % v for v in per_call[name])}), "
+              f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOPS, SM {clock:.0f} MHz, {power:.0f} W, {len(inside)} samples, "
+              f"{ms * power:.1f} mJ/call", flush=True)
 
 
 if __name__ == "__main__":
