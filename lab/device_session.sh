@@ -7,7 +7,7 @@
 #   build    wheels into .site; this tree's extension, DeepGEMM, and (VARIANT_FLAGS) a copy of this tree under .ab/var
 #            built with those extra nvcc flags, all in parallel (a warm machine rebuilds incrementally)
 #   suite    the GPU test suite without the recipe runs (-m "not recipe_run")
-#   recipes  the recipe runs, -k "not resumes";  resumes: the recipe runs, -k resumes
+#   recipes  the recipe runs, -k "not resumes" (or -k "$RECIPE_K");  resumes: the recipe runs, -k resumes
 #   ab       the variant against this tree: bits of every M-grouped tile (lab/gemm_bits.py), the M-grouped GPU tests on
 #            the variant, bench_m_grouped.py --quick per tree in ROUNDS alternating rounds (DeepGEMM in each process)
 #   grids    the benchmark grids named in BENCHES (name:limit_s ...), JSON + PNG under res/
@@ -55,7 +55,7 @@ for p in ${PHASES:-build suite}; do
     phase suite 200 && { timed 330 "$R/suite.log" python3 -m pytest -q -rs -m "not recipe_run" tests; tail -4 "$R/suite.log"; } ;;
   recipes)
     # caps: on an H100 the recipe set ran past 300 s (the H200 took ~210); give each its own call there
-    phase recipes 180 && { timed 480 "$R/recipes.log" python3 -m pytest -v -m recipe_run -k "not resumes" tests
+    phase recipes 180 && { timed 480 "$R/recipes.log" python3 -m pytest -v -m recipe_run -k "${RECIPE_K:-not resumes}" tests
       grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$R/recipes.log" | tail -14; } ;;
   resumes)
     phase resumes 200 && { timed 480 "$R/resumes.log" python3 -m pytest -v -m recipe_run -k resumes tests
