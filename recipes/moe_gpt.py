@@ -48,7 +48,8 @@ Transformer Engine (issue 33; docs/megatron.md): `--transformer-impl transformer
 them in TE's FP8 under Megatron's own FP8 context; mode `te` is Megatron's TEGroupedMLP under the same recipe (the
 incumbent); our modes drop into the same TE model by the same switch. `--preset dsv3-like --modes unpadded te bf16`
 is the head-to-head (the result's `head_to_head`: tokens/s and peak-memory ratios, the last 100 steps' loss gap, the
-experts' share of the step from `--experts-share-steps`). TE is optional: without it `--transformer-impl
+experts' share of the step from `--experts-share-steps`); the README's measured one adds `--micro-batch-size 8
+--moe-permute-fusion --device-token-counts` (at the preset's size the step is host-bound). TE is optional: without it `--transformer-impl
 transformer_engine` stops with one line.
 `--cpu`: the CPU job, on one process without Megatron or a GPU (recipes/moe_gpt_cpu.py; its docstring lists what in
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
