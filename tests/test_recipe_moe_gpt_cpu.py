@@ -544,7 +544,23 @@ def test_head_to_head_ratios_and_targets(recipe):
     assert te["targets"]["met"] == {"speedup": True, "loss_within_1pct": True, "peak_at_or_below": True}
     assert bf16["targets"]["met"] == {"speedup": False, "loss_within_1pct": False}  # x1.05; 3.4% off
     assert "loss_not_judged" not in te and "loss_not_judged" not in bf16
+    # the experts are 40% of every step: 40 / 50 / 42 ms, the rest 60 / 75 / 63 ms
+    assert te["experts_speedup"] == pytest.approx(50 / 40) and bf16["experts_speedup"] == pytest.approx(42 / 40)
+    assert te["rest_of_step_ms"] == pytest.approx({"unpadded": 60.0, "te": 75.0})
+    assert te["speedup_with_rest_equal"] == pytest.approx((67.5 + 50) / (67.5 + 40))
+    assert bf16["speedup_with_rest_equal"] == pytest.approx((61.5 + 42) / (61.5 + 40))
     assert recipe.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
+
+
+def test_head_to_head_without_the_experts_timing_has_no_split(recipe):
+    def run(ms):
+        return {"losses": [3.0] * 300, "grad_norms": [1.0] * 300, "times": [ms] * 300,
+                "init_digests": [{}], "param_digests": [{}], "peak_mb": 900.0}
+    runs = {"unpadded": run(100.0), "bf16": run(110.0)}
+    report, _ = recipe.summarize(runs)
+    bf16 = recipe.head_to_head(runs, report)["unpadded_vs_bf16"]
+    assert bf16["speedup"] == pytest.approx(1.1)
+    assert not {"experts_speedup", "rest_of_step_ms", "speedup_with_rest_equal"} & set(bf16)
 
 
 def test_head_to_head_does_not_judge_the_loss_of_a_short_run(recipe):
