@@ -1390,6 +1390,14 @@ def plot(result, path):
     modes = list(losses)
     ms = [result["summary"][m]["ms_per_step_median"] for m in modes]
     bars = cost.bar(modes, ms, color=[styles.get(m, ("k",))[0] for m in modes])
+    # the experts' part of each step (--experts-share-steps), hatched at the bottom: what the rest of the step costs
+    # each mode is the bar above it, so a ratio made outside the experts shows
+    experts = [result["summary"][m].get("experts_ms_per_step") for m in modes]
+    if any(e is not None for e in experts):
+        from matplotlib.patches import Patch
+        cost.bar(modes, [e or 0.0 for e in experts], fill=False, hatch="//", edgecolor="white", lw=0)
+        cost.legend(handles=[Patch(facecolor="0.5", edgecolor="white", hatch="//", label="the experts' part")],
+                    loc="upper right", fontsize=8)
     for bar, m in zip(bars, modes):
         peak, share = result["summary"][m].get("peak_mb"), result["summary"][m].get("experts_share_of_step")
         label = " ".join(([f"{peak / 1024:.1f} GB"] if peak is not None else [])
@@ -1402,7 +1410,7 @@ def plot(result, path):
     cost.set(ylabel="ms per step (median)",
              title="step time on the CPU" if cpu else
              f"step time ({impl} spec{', TE FP8 ' + str(result['config'].get('fp8_recipe')) if fp8 else ''})\n"
-             "labels: peak memory, experts' share of the step")
+             "labels: peak memory, experts' share of the step (hatched)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print("wrote", path)
