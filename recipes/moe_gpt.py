@@ -1192,7 +1192,7 @@ def head_to_head(runs, report):
         for key in ("experts_share_of_step",):
             if key in ours and key in theirs:
                 row[key] = {"unpadded": ours[key], other: theirs[key]}
-        row.update(split_by_experts(ours, theirs, other))
+        row.update(split_by_experts(runs["unpadded"], runs[other], other))
         steps = min(len(runs["unpadded"]["losses"]), len(runs[other]["losses"]))
         met = {"speedup": row["speedup"] >= targets["speedup"],
                "loss_within_1pct": abs(row["loss_window_rel_gap"]) <= LOSS_TOLERANCE if steps >= LOSS_MIN_STEPS else None}
@@ -1205,20 +1205,32 @@ def head_to_head(runs, report):
     return out
 
 
-def split_by_experts(ours, theirs, other):
-    """Where a speed-up comes from, when both modes measured their experts (`experts_ms_per_step`): the experts'
-    own ratio, each mode's rest of the step (median step minus experts' ms), and `speedup_with_rest_equal`, the
-    step ratio had both modes spent the mean of the two rests outside the experts. The rest runs the same modules in
-    every mode, so a gap between the rests is run-to-run noise (clocks, host jitter) or an effect of the experts on
-    their surroundings; this separates it from what the experts themselves gave. {} without the measurement."""
-    if not (ours.get("experts_ms_per_step") and theirs.get("experts_ms_per_step")):
+def split_by_experts(ours_run, theirs_run, other):
+    """Where a speed-up comes from, over the steps whose experts were timed (`--experts-share-steps`: the last K
+    steps, each with its own CUDA events for the step and for the experts, so every number here is from the same
+    steps): the experts' own ratio (`experts_speedup`), each mode's rest of the step (median over those steps of step
+    minus experts' ms), the step ratio over those steps (`window_speedup`; the marks slow each of these steps a
+    little, more where the host is the bottleneck), and `speedup_with_rest_equal`, the step ratio had both modes spent
+    the mean of the two rests outside the experts. It tells what the experts gave from a difference outside them: run
+    -to-run noise (clocks, host jitter) or the experts' effect on their surroundings (host time a mode's experts
+    spend shows up there too). {} where either mode has no timed step."""
+    def window(run):
+        rows = [r for r in run.get("experts_share") or [] if r.get("step_ms") and r.get("experts_ms") is not None]
+        if not rows:
+            return None
+        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731  (the summary's median)
+        return {"steps": len(rows), "experts": median([r["experts_ms"] for r in rows]),
+                "step": median([r["step_ms"] for r in rows]),
+                "rest": median([r["step_ms"] - r["experts_ms"] for r in rows])}
+    a, b = window(ours_run), window(theirs_run)
+    if a is None or b is None:
         return {}
-    rest = {"unpadded": ours["ms_per_step_median"] - ours["experts_ms_per_step"],
-            other: theirs["ms_per_step_median"] - theirs["experts_ms_per_step"]}
-    equal = sum(rest.values()) / 2
-    return {"experts_speedup": theirs["experts_ms_per_step"] / ours["experts_ms_per_step"],
-            "rest_of_step_ms": rest,
-            "speedup_with_rest_equal": (equal + theirs["experts_ms_per_step"]) / (equal + ours["experts_ms_per_step"])}
+    equal = (a["rest"] + b["rest"]) / 2
+    return {"experts_window_steps": min(a["steps"], b["steps"]),
+            "experts_speedup": b["experts"] / a["experts"],
+            "rest_of_step_ms": {"unpadded": a["rest"], other: b["rest"]},
+            "window_speedup": b["step"] / a["step"],
+            "speedup_with_rest_equal": (equal + b["experts"]) / (equal + a["experts"])}
 
 
 def add_throughput(report, config, world):

@@ -544,12 +544,31 @@ def test_head_to_head_ratios_and_targets(recipe):
     assert te["targets"]["met"] == {"speedup": True, "loss_within_1pct": True, "peak_at_or_below": True}
     assert bf16["targets"]["met"] == {"speedup": False, "loss_within_1pct": False}  # x1.05; 3.4% off
     assert "loss_not_judged" not in te and "loss_not_judged" not in bf16
-    # the experts are 40% of every step: 40 / 50 / 42 ms, the rest 60 / 75 / 63 ms
+    # the experts are 40% of every timed step: 40 / 50 / 42 ms, the rest 60 / 75 / 63 ms
     assert te["experts_speedup"] == pytest.approx(50 / 40) and bf16["experts_speedup"] == pytest.approx(42 / 40)
     assert te["rest_of_step_ms"] == pytest.approx({"unpadded": 60.0, "te": 75.0})
+    assert te["window_speedup"] == pytest.approx(1.25) and te["experts_window_steps"] == 3
     assert te["speedup_with_rest_equal"] == pytest.approx((67.5 + 50) / (67.5 + 40))
     assert bf16["speedup_with_rest_equal"] == pytest.approx((61.5 + 42) / (61.5 + 40))
     assert recipe.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
+
+
+def test_head_to_head_splits_within_the_timed_steps(recipe):
+    # the timed steps (the last K) ran slower than the median step: the split must pair each step with its own
+    # experts' time, never the median of all steps with the experts' median of the last K
+    def run(ms, timed):
+        return {"losses": [3.0] * 300, "grad_norms": [1.0] * 300, "times": [ms] * 300,
+                "init_digests": [{}], "param_digests": [{}], "peak_mb": 900.0,
+                "experts_share": [{"experts_ms": e, "step_ms": t, "share": e / t} for e, t in timed]}
+    runs = {"unpadded": run(100.0, [(40.0, 130.0), (44.0, 120.0), (42.0, 125.0)]),
+            "bf16": run(120.0, [(50.0, 128.0), (52.0, 140.0), (51.0, 132.0)])}
+    report, _ = recipe.summarize(runs)
+    bf16 = recipe.head_to_head(runs, report)["unpadded_vs_bf16"]
+    assert bf16["speedup"] == pytest.approx(1.2)  # the judged ratio: all timed steps of the second half
+    assert bf16["rest_of_step_ms"] == pytest.approx({"unpadded": 83.0, "bf16": 81.0})  # medians of step - experts
+    assert bf16["experts_speedup"] == pytest.approx(51 / 42)
+    assert bf16["window_speedup"] == pytest.approx(132 / 125)
+    assert bf16["speedup_with_rest_equal"] == pytest.approx((82 + 51) / (82 + 42))
 
 
 def test_head_to_head_without_the_experts_timing_has_no_split(recipe):
