@@ -49,8 +49,8 @@ them in TE's FP8 under Megatron's own FP8 context; mode `te` is Megatron's TEGro
 incumbent); our modes drop into the same TE model by the same switch. `--preset dsv3-like --modes unpadded te bf16`
 is the head-to-head (the result's `head_to_head`: tokens/s and peak-memory ratios, the last 100 steps' loss gap, the
 experts' share of the step from `--experts-share-steps`); the README's measured one adds `--micro-batch-size 8
---moe-permute-fusion --device-token-counts` (at the preset's size the step is host-bound). TE is optional: without it `--transformer-impl
-transformer_engine` stops with one line.
+--moe-permute-fusion --device-token-counts` (at the preset's size the step is host-bound). TE is optional: without it
+`--transformer-impl transformer_engine` stops with one line.
 `--cpu`: the CPU job, on one process without Megatron or a GPU (recipes/moe_gpt_cpu.py; its docstring lists what in
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
 backend (modes unpadded, padded16, padded128, bf16; a few minutes on 2 cores at its default size, any size option
@@ -1099,6 +1099,12 @@ def main(argv=None):
     return 1 if failures else 0
 
 
+def upper_median(xs):
+    """The median of a non-empty list, the upper middle one of an even count (the one value every result's medians
+    use)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def summarize(runs):
     """(report per mode, failures) from the runs' records, in this process or merged from several (`--compare`).
     Failures: a mode that did not start from the first mode's weights; megatron_tma's experts not computing Megatron's
@@ -1110,9 +1116,9 @@ def summarize(runs):
     for mode, run in runs.items():
         losses, norms, times = run["losses"], run["grad_norms"], run["times"]
         tail = max(1, len(losses) // 10)
-        timed = sorted(times[len(times) // 2:])  # the second half: Megatron's own experts warm up for ~15 steps
+        timed = times[len(times) // 2:]  # the second half: Megatron's own experts warm up for ~15 steps
         row = {"final_loss": losses[-1], "final_window_mean_loss": sum(losses[-tail:]) / tail,
-               "ms_per_step_median": timed[len(timed) // 2], "peak_mb": run.get("peak_mb"),
+               "ms_per_step_median": upper_median(timed), "peak_mb": run.get("peak_mb"),
                "left_allocated_mb": run.get("left_allocated_mb"),
                "same_initial_weights": run["init_digests"] == first["init_digests"]}
         if not row["same_initial_weights"]:
@@ -1131,9 +1137,8 @@ def summarize(runs):
                                 f"{diffs}")
         measured = [m["share"] for m in run.get("experts_share") or [] if m.get("share") is not None]
         if measured:
-            row["experts_share_of_step"] = sorted(measured)[len(measured) // 2]
-            row["experts_ms_per_step"] = sorted(m["experts_ms"] for m in run["experts_share"])[
-                len(run["experts_share"]) // 2]
+            row["experts_share_of_step"] = upper_median(measured)
+            row["experts_ms_per_step"] = upper_median([m["experts_ms"] for m in run["experts_share"]])
         if run.get("eval_loss") is not None:
             row["eval_loss"] = run["eval_loss"]
             row["eval_loss_requantized"] = run["eval_loss_requantized"]
@@ -1211,17 +1216,16 @@ def split_by_experts(ours_run, theirs_run, other):
     steps): the experts' own ratio (`experts_speedup`), each mode's rest of the step (median over those steps of step
     minus experts' ms), the step ratio over those steps (`window_speedup`; the marks slow each of these steps a
     little, more where the host is the bottleneck), and `speedup_with_rest_equal`, the step ratio had both modes spent
-    the mean of the two rests outside the experts. It tells what the experts gave from a difference outside them: run
-    -to-run noise (clocks, host jitter) or the experts' effect on their surroundings (host time a mode's experts
+    the mean of the two rests outside the experts. It tells what the experts gave from a difference outside them:
+    run-to-run noise (clocks, host jitter) or the experts' effect on their surroundings (host time a mode's experts
     spend shows up there too). {} where either mode has no timed step."""
     def window(run):
         rows = [r for r in run.get("experts_share") or [] if r.get("step_ms") and r.get("experts_ms") is not None]
         if not rows:
             return None
-        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731  (the summary's median)
-        return {"steps": len(rows), "experts": median([r["experts_ms"] for r in rows]),
-                "step": median([r["step_ms"] for r in rows]),
-                "rest": median([r["step_ms"] - r["experts_ms"] for r in rows])}
+        return {"steps": len(rows), "experts": upper_median([r["experts_ms"] for r in rows]),
+                "step": upper_median([r["step_ms"] for r in rows]),
+                "rest": upper_median([r["step_ms"] - r["experts_ms"] for r in rows])}
     a, b = window(ours_run), window(theirs_run)
     if a is None or b is None:
         return {}
