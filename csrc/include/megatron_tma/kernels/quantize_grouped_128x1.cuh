@@ -23,7 +23,10 @@ namespace quant {
 // [a_G, ld) in 128-column pieces, the last one (index mb_max, which has no scale row) all that is left.
 // Together the slots of a column block cover every qt row [0, ld) once, in order, and every slot starts
 // 16-byte aligned: the stores are whole chunks, never shifted or split into bytes.
-constexpr int kGroupedCtasPerSm = 3;  // as k128x128CtasPerSm (80 registers, fused variant included)
+#ifndef MEGATRON_TMA_QUANT_GROUPED_CTAS  // experiments only (lab/ab_quant.sh): resident CTAs per SM
+#define MEGATRON_TMA_QUANT_GROUPED_CTAS 3
+#endif
+constexpr int kGroupedCtasPerSm = MEGATRON_TMA_QUANT_GROUPED_CTAS;  // 3: as k128x128CtasPerSm (80 registers)
 constexpr int kGroupedMaxGroups = 8192;
 constexpr int kGroupedMaxRun = 8;     // slots per work unit, at most (host heuristic)
 
@@ -149,8 +152,9 @@ __device__ __forceinline__ void store_slot(uint8_t* stage, uint8_t* qt_rows, int
 
 // The 1x128 half of the fused kernel for one tile: every row of a token block lies in exactly one tile per
 // column block, so the tile's rows x 128 columns are exactly the 1x128 blocks of those rows. Row amax
-// over the 16 lanes that share the row group; every lane derives the 8 row scales itself (no runtime
-// register indexing), the lane kc == j stores row j's scale.
+// over the 16 lanes that share the row group. Each scale costs two correctly rounded divisions (~20
+// instructions), so a row's scale is derived once per 8 lanes rather than by all 16: lane kc works out row
+// kc % 8 and the row group's lanes take the 8 multipliers by shuffle; lane kc == j < 8 stores row j's scale.
 template <class In, bool kPow2>
 __device__ __forceinline__ void quantize_rows_1x128(const uint4 (&v)[8], const SubTile& sub, const QuantizeGroupedParams& p,
                                                     int row0, int rows, int k0) {
@@ -162,14 +166,14 @@ __device__ __forceinline__ void quantize_rows_1x128(const uint4 (&v)[8], const S
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax[i] = max2(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], off));
   const int local0 = 8 * sub.rg;
-  float* srow = p.s1 + int64_t(k0 / kBlock) * p.s1_ld + row0 + local0;
+  const int own = sub.kc & 7;  // the row whose scale this lane derives; selects, not a runtime array index
+  const uint32_t w01 = (own & 2) ? amax[1] : amax[0], w23 = (own & 2) ? amax[3] : amax[2];
+  const fp8::BlockScale bs = fp8::block_scale<kPow2>(In::widen_abs((((own & 4) ? w23 : w01) >> (16 * (own & 1))) & 0xffffu));
+  if (sub.kc < 8 && local0 + own < rows) p.s1[int64_t(k0 / kBlock) * p.s1_ld + row0 + local0 + own] = bs.scale;
+  const int lane_base = threadIdx.x & 16;  // the row group's first lane: kc = 0
   uint2 qrow[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const fp8::BlockScale bs = fp8::block_scale<kPow2>(In::widen_abs((amax[j >> 1] >> (16 * (j & 1))) & 0xffffu));
-    qrow[j] = quantize8<In>(v[j], bs.mul);
-    if (sub.kc == j && local0 + j < rows) srow[j] = bs.scale;
-  }
+  for (int j = 0; j < 8; ++j) qrow[j] = quantize8<In>(v[j], __shfl_sync(0xffffffffu, bs.mul, lane_base | j));
   const int odd = sub.kc & 1;
   const int col = k0 + 8 * (sub.kc & ~1);
 #pragma unroll
