@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A/B of the grouped quantizers between source trees, in one GPU-machine call: each tree is built as setup.py
-# builds it (in parallel), the fused kernel's SASS instructions are counted, every output of every shape of
-# lab/time_quant_rows.py is compared bit for bit with the first tree's, and the shapes are timed in alternating
-# processes, rotated over ROUNDS rounds (the same build moves by a few % between processes).
+# builds it (in parallel), every output of every shape of lab/time_quant_rows.py is compared bit for bit with the
+# first tree's, and the shapes are timed in alternating processes, rotated over ROUNDS rounds (the same build moves
+# by a few % between processes).
 #   usage (GPU machine, repo root, wheels on PYTHONPATH):
 #     ROUNDS=3 bash lab/ab_quant.sh base=.ab/base head=. head4=.ab/head4
 # A tree given as NAME=DIR[:NVCC_EXTRA] is built with MEGATRON_TMA_NVCC_EXTRA=NVCC_EXTRA (e.g.
 # "head4=.ab/head4:-DMEGATRON_TMA_QUANT_GROUPED_CTAS=4"). The first tree is the baseline. Writes $OUT/ab_quant/:
-# build logs, sass_counts.txt, times.jsonl (one line per process) and summary.txt. Leaves the last timed
+# build logs, times.jsonl (one line per process) and summary.txt. Leaves the last timed
 # variant's build in megatron_tma/ (the builds stay in /tmp/abq_so/NAME.so).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -34,18 +34,14 @@ for p in "${pids[@]}"; do wait "$p" || exit 1; done
 # The extension is imported from this tree's megatron_tma (PYTHONPATH has the repo root): each variant's build is
 # copied over it in turn.
 so=megatron_tma/$(basename "$(ls "${dirs[0]}"/megatron_tma/_C*.so | head -1)")
-for n in "${names[@]}"; do  # SASS instructions of the fused kernel (bf16 in, FP32 scales) and its registers
-  cuobjdump -sass "/tmp/abq_so/$n.so" 2>/dev/null | awk -v n="$n" '
-    /Function :/ { f = ($0 ~ /quantize_grouped_128x1_kernelINS0_6Bf16InELb0ELb1E/) }
-    f && /\/\*[0-9a-f]{4}\*\// { c++ }
-    END { print n ": fused kernel (Bf16In, FP32 scales) SASS instructions " c }' | tee -a "$D/sass_counts.txt"
-done
-cp "/tmp/abq_so/${names[0]}.so" "$so"
-python3 lab/time_quant_rows.py --save /tmp/abq_bits.pt | sed "s/^/bits ${names[0]}: /"
-for n in "${names[@]:1}"; do
-  cp "/tmp/abq_so/$n.so" "$so"
-  python3 lab/time_quant_rows.py --compare /tmp/abq_bits.pt | sed "s/^/bits $n: /"
-done
+if [ "${BITS:-1}" = 1 ]; then  # BITS=0 skips the comparison (when the GPU tests check the bits instead)
+  cp "/tmp/abq_so/${names[0]}.so" "$so"
+  python3 lab/time_quant_rows.py --save /tmp/abq_bits.pt | sed "s/^/bits ${names[0]}: /"
+  for n in "${names[@]:1}"; do
+    cp "/tmp/abq_so/$n.so" "$so"
+    python3 lab/time_quant_rows.py --compare /tmp/abq_bits.pt | sed "s/^/bits $n: /"
+  done
+fi
 n_var=${#names[@]}
 for r in $(seq 0 $(( ${ROUNDS:-3} - 1 ))); do
   for j in $(seq 0 $(( n_var - 1 ))); do
