@@ -52,19 +52,4 @@ for r in $(seq 0 $(( ${ROUNDS:-3} - 1 ))); do
   done
   echo "round $r done"
 done
-python3 - "$D/times.jsonl" "${names[0]}" <<'EOF' | tee "$D/summary.txt"
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-base = sys.argv[2]
-variants = list(dict.fromkeys(r["variant"] for r in rows))
-shapes = list(next(r["tbps"] for r in rows if r["tbps"]))
-med = {v: {s: statistics.median(r["tbps"][s] for r in rows if r["variant"] == v and r["tbps"]) for s in shapes}
-       for v in variants}
-print("TB/s, median over rounds (ratio to %s)" % base)
-print("%-22s" % "shape" + "".join("%18s" % v for v in variants))
-for s in shapes:
-    print("%-22s" % s + "".join("%10.3f (%.3f)" % (med[v][s], med[v][s] / med[base][s]) for v in variants))
-for v in variants:
-    ratios = [med[v][s] / med[base][s] for s in shapes]
-    print("%s geomean vs %s: %.4f" % (v, base, statistics.geometric_mean(ratios)))
-EOF
+python3 lab/ab_summary.py "$D/times.jsonl" "${names[0]}" | tee "$D/summary.txt"

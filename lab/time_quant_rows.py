@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import common  # noqa: E402
-from bench_quant import _rows_with_spread  # noqa: E402
+from bench_quant import _rows_with_spread, _same  # noqa: E402
 
 from megatron_tma.groups import make_group_sizes, wgrad_pitch  # noqa: E402
 from megatron_tma.quant import quantize_1x128_and_grouped_128x1, quantize_grouped_128x1  # noqa: E402
@@ -49,15 +49,13 @@ def main():
             fns[name] = (lambda x=x, s=sizes, g=g: quantize_grouped_128x1(x, s, num_groups=g))
             nbytes[name] = 2 * x.numel() + k * wgrad_pitch(m, g)
         if args.save or args.compare:
-            # FP8 as bytes: bit equality, whatever torch.equal does with float8
-            outputs[name] = [(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).cpu() for t in fns[name]()]
+            outputs[name] = [t.cpu() for t in fns[name]()]
     if args.save:
         torch.save(outputs, args.save)
     if args.compare:
         ref = torch.load(args.compare)
-        bad = [name for name in outputs
-               if len(ref[name]) != len(outputs[name])
-               or not all(torch.equal(a, b) for a, b in zip(ref[name], outputs[name]))]
+        bad = [name for name in outputs  # bench_quant's bit equality: FP8 compared as bytes, shapes included
+               if len(ref[name]) != len(outputs[name]) or not _same(outputs[name], ref[name])]
         print(json.dumps({"bits_equal": not bad, "different": bad, "shapes": len(outputs)}))
         sys.exit(1 if bad else 0)
     if args.save:
