@@ -34,6 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm, quant
+from . import permutation as _permutation
 from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
@@ -308,8 +309,9 @@ class FP8WeightCache:
 # The autograd Function
 # --------------------------------------------------------------------------------------------------------------
 
-# Positions in forward's inputs (x, groups, q, s, qt, st, backend, pow2, *weights) of x and the first weight.
-_X, _WEIGHTS = 0, 8
+# Positions in forward's inputs (x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2,
+# *weights) of x and the first weight.
+_X, _WEIGHTS = 0, 12
 
 
 def linear_forward(x, groups, q, s, backend, pow2):
@@ -320,43 +322,62 @@ def linear_forward(x, groups, q, s, backend, pow2):
 
 class _FP8GroupedLinear(torch.autograd.Function):
     """y = grouped(x . W^T); the weights come in pre-quantized (q, s, qt, st) and, after the options, as the
-    parameters themselves, only so that their gradients (or `main_grad`s) can be routed."""
+    parameters themselves, only so that their gradients (or `main_grad`s) can be routed. With `rows` (a
+    megatron_tma.permutation.Permutation's two tensors), x is the routed tokens in their own order and the GEMM's
+    rows are `x[rows]`, gathered by the quantizer; x's gradient is then the rows' gradients combined per token.
+    With `out_rows` (another Permutation's), the output is the GEMM's rows combined per token, and backward gathers
+    the output gradient's rows inside dY's quantizer."""
 
     @staticmethod
-    def forward(ctx, x, groups, q, s, qt, st, backend, pow2, *weights):
+    def forward(ctx, x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2, *weights):
         need_dx = ctx.needs_input_grad[_X]
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
-        if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
+        if need_dw and rows is not None:  # the permutation fused into the read of the routed tokens
+            xq, xs, xt, xt_s = quant.run_gather_1x128_and_grouped_128x1(x, rows, groups, pow2, backend)
+            y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
+            del xq, xs
+        elif need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
             xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
             y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
             del xq, xs
         else:
-            y = linear_forward(x, groups, q, s, backend, pow2)
+            y = linear_forward(x if rows is None else x.index_select(0, rows), groups, q, s, backend, pow2)
+        if out_token_rows is not None:
+            y = _permutation.run_combine_rows(y, out_token_rows, backend)
         ctx.backend, ctx.pow2, ctx.groups_meta = backend, pow2, groups[1:]
-        ctx.save_for_backward(groups.tensor, xt, xt_s, qt if need_dx else None, st if need_dx else None, *weights)
+        ctx.save_for_backward(groups.tensor, xt, xt_s, qt if need_dx else None, st if need_dx else None,
+                              token_rows if need_dx else None, out_rows, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        groups, xt, xt_s, qt, st, *weights = ctx.saved_tensors
+        groups, xt, xt_s, qt, st, token_rows, out_rows, *weights = ctx.saved_tensors
         dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
-                                     ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2)
-        return (dx, None, None, None, None, None, None, None, *wgrads)
+                                     ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2,
+                                     dy_rows=out_rows)
+        if dx is not None and token_rows is not None:
+            dx = _permutation.run_combine_rows(dx, token_rows, ctx.backend)
+        return (dx,) + (None,) * (_WEIGHTS - 1) + tuple(wgrads)
 
 
-def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2):
+def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2, dy_rows=None):
     """(dX or None, the weights' gradients as `_weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
     what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
-    (qt, st; None if X wants none). `groups` is the forward's checked description."""
+    (qt, st; None if X wants none). `groups` is the forward's checked description. `dy_rows`: dY's rows are
+    `dy[dy_rows]` (the gradient of a combined output), gathered by the quantizer when it makes both forms."""
     dy = dy.contiguous()
     if misalignment16(dy):  # (autograd may hand a view at any offset; the quantizers read 16-byte vectors)
         dy = dy.clone()
     dx = None
     need_dw = xt is not None
+    if dy_rows is not None and not (need_dx and need_dw):
+        dy = dy.index_select(0, dy_rows)
     # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
     # (wgrad) when both gradients are wanted, one quantizer otherwise.
-    if need_dx and need_dw:
+    if need_dx and need_dw and dy_rows is not None:
+        dyq, dy_s, dyt, dyt_s = quant.run_gather_1x128_and_grouped_128x1(dy, dy_rows, groups, pow2, backend)
+    elif need_dx and need_dw:
         dyq, dy_s, dyt, dyt_s = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
     elif need_dx:
         dyq, dy_s = quant.run_1x128(dy, pow2, backend)
@@ -452,6 +473,8 @@ def fp8_grouped_linear(
     cache: Optional[FP8WeightCache] = None,
     backend: str = "auto",
     pow2_scales: bool = False,
+    permutation: Optional[_permutation.Permutation] = None,
+    combine: Optional[_permutation.Permutation] = None,
 ) -> torch.Tensor:
     """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (docs/design.md §3), with gradients for x and the weights.
 
@@ -461,9 +484,31 @@ def fp8_grouped_linear(
     must be multiples of 128: the forward contracts over K and dgrad over N in 128-wide scaling blocks. cache: the
     layer's `FP8WeightCache` (None: quantize the weights on every call). pow2_scales: power-of-two (UE8M0) scales
     everywhere. Returns bf16 `[M, N]`. See the module docstring for where the weight gradients go.
+    permutation: a `megatron_tma.permutation.Permutation`; x is then the routed tokens `[T, K]` in their own order,
+    the M rows are `x[permutation.rows]` (gathered by the quantizer, never copied in BF16) and x's gradient is
+    their gradients combined per token (`megatron_tma.permutation.combine_rows`' sum).
+    combine: a `Permutation` of the M rows; the output is then the tokens `[T, N]`, each the `combine_rows` sum of its
+    rows, and backward gathers the tokens' gradient rows inside dY's quantizer (never a BF16 copy of them).
     """
-    weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
+    if permutation is None:
+        weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
+        rows = token_rows = None
+    else:
+        check_tensor(x, "x", (torch.bfloat16,), dim=2)
+        if x.numel():
+            check_aligned16(x, "x", "the quantizers read rows as 16-byte vectors")
+        rows, token_rows = _permutation.check_permutation(permutation, None, x)
+        # The checks see the gathered matrix's shape through a stand-in; the quantizer reads x itself.
+        weights, groups = check_linear_args(x.new_empty(1, 1).expand(rows.shape[0], x.shape[1]), weight, groups,
+                                            backend, pow2_scales, x_name="x[permutation.rows]", x_contiguous=False)
+    out_rows = out_token_rows = None
+    if combine is not None:
+        m = x.shape[0] if rows is None else rows.shape[0]
+        out_rows, out_token_rows = _permutation.check_permutation(combine, m, None, "combine", device=x.device)
     wq = quantized_weights(weights, cache, pow2_scales, backend)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-        return linear_forward(x, groups, wq.q, wq.s, backend, pow2_scales)  # inference: nothing to save
-    return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, backend, pow2_scales, *weights)
+        # inference: nothing to save
+        y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2_scales)
+        return y if combine is None else _permutation.run_combine_rows(y, out_token_rows, backend)
+    return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, rows, token_rows, out_rows, out_token_rows,
+                                   backend, pow2_scales, *weights)

@@ -64,6 +64,7 @@ from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weight
 from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
+from .permutation import Permutation, check_permutation, combine_rows, gather_rows
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
            "activation_times_probs", "WEIGHT_LAYOUTS"]
@@ -286,14 +287,20 @@ class GroupedFP8Linear(_GroupedWeights):
         return self.weight_cache
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor, probs: Optional[torch.Tensor] = None,
-                activation: Optional[str] = None) -> torch.Tensor:
+                activation: Optional[str] = None, permutation: Optional[Permutation] = None,
+                combine: Optional[Permutation] = None) -> torch.Tensor:
         """The layer on x; with `activation`, on `act(x) * probs` computed from x = h here and recomputed in
         backward instead of keeping its FP8 columns (megatron_tma.activation_linear: the same bits, F bytes per row
-        less memory). Both ways go through the module call, so that hooks on this module (Megatron's parameter
-        all-gather waits in its forward pre-hook) run before the weights are read."""
+        less memory); with `permutation`, on the rows `x[permutation.rows]` of the routed tokens x, gathered by the
+        quantizer (megatron_tma.permutation); with `combine`, returning the tokens, each the sum of its rows, whose
+        gradient's rows backward gathers inside its quantizer. Every way goes through the module call, so that hooks
+        on this module (Megatron's parameter all-gather waits in its forward pre-hook) run before the weights are
+        read."""
         if activation is None:
             return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
-                                      pow2_scales=self.pow2_scales)
+                                      pow2_scales=self.pow2_scales, permutation=permutation, combine=combine)
+        if permutation is not None or combine is not None:
+            raise ValueError("a linear with an activation (its input is h) takes no permutation or combine")
         return fp8_activation_grouped_linear(x, probs, activation, self.weights, groups, cache=self._cache(),
                                              backend=self.backend, pow2_scales=self.pow2_scales)
 
@@ -332,11 +339,12 @@ class _GroupedMLP(nn.Module):
         self.linear_fc1 = linear(num_experts, hidden_size, fc1_out)
         self.linear_fc2 = linear(num_experts, ffn_hidden_size, hidden_size)
 
-    def _check_inputs(self, x, tokens_per_expert, probs) -> Groups:
+    def _check_inputs(self, x, tokens_per_expert, probs, permutation=None) -> Groups:
         """The step's argument checks; returns the groups checked once for every GEMM and quantizer of the step."""
         check_tensor(x, "hidden_states", (torch.bfloat16,), dim=2)
         if x.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states must be [T, {self.hidden_size}], got {list(x.shape)}")
+        rows = x.shape[0] if permutation is None else check_permutation(permutation, None, x).rows.shape[0]
         if not isinstance(tokens_per_expert, torch.Tensor):
             raise TypeError(
                 "tokens_per_expert must be a device int tensor [num_experts] (read on the device only), "
@@ -346,25 +354,32 @@ class _GroupedMLP(nn.Module):
             raise ValueError(
                 f"tokens_per_expert must hold num_experts={self.num_experts} sizes, got {tokens_per_expert.numel()}"
             )
-        groups = check_groups(tokens_per_expert, self.num_experts, m_total=x.shape[0], device=x.device,
+        groups = check_groups(tokens_per_expert, self.num_experts, m_total=rows, device=x.device,
                               name="tokens_per_expert")
         if probs is not None:
             check_tensor(probs, "permuted_probs", (torch.float32, torch.bfloat16), dim=1)
-            if probs.shape[0] != x.shape[0]:
-                raise ValueError(f"permuted_probs must be [T] = [{x.shape[0]}], got {list(probs.shape)}")
+            if probs.shape[0] != rows:
+                raise ValueError(f"permuted_probs must be [T] = [{rows}], got {list(probs.shape)}")
             check_same_device(hidden_states=x, permuted_probs=probs)
         return groups
 
-    def _mlp(self, x, groups, probs):
+    def _mlp(self, x, groups, probs, permutation=None):
+        """The expert rows' output, or with `permutation` the tokens' (x then the tokens; module docstring)."""
+        if permutation is not None:
+            x = gather_rows(x, permutation, backend=self.backend)
         h = self.linear_fc1(x, groups)
-        return self.linear_fc2(activation_times_probs(h, probs, self.activation, self.backend), groups)
+        y = self.linear_fc2(activation_times_probs(h, probs, self.activation, self.backend), groups)
+        return y if permutation is None else combine_rows(y, permutation, backend=self.backend)
 
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: Optional[torch.Tensor] = None):
+                permuted_probs: Optional[torch.Tensor] = None, permutation: Optional[Permutation] = None):
         """hidden_states bf16 [T, H] (rows grouped by expert), tokens_per_expert int32/int64 [G] on their device,
-        permuted_probs FP32/BF16 [T] or None. Returns (bf16 [T, H], None)."""
-        groups = self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
-        return self._mlp(hidden_states, groups, permuted_probs), None
+        permuted_probs FP32/BF16 [T] or None. Returns (bf16 [T, H], None).
+        With `permutation` (megatron_tma.permutation): hidden_states are the routed tokens [T, H] in their own
+        order, the experts' rows are `hidden_states[permutation.rows]` (tokens_per_expert and permuted_probs
+        describe those rows), and the output is the tokens [T, H], each the FP32 sum of its experts' rows."""
+        groups = self._check_inputs(hidden_states, tokens_per_expert, permuted_probs, permutation)
+        return self._mlp(hidden_states, groups, permuted_probs, permutation), None
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
@@ -395,10 +410,14 @@ class GroupedFP8MLP(_GroupedMLP):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
         self.pad_to, self.recompute_activation = pad_to, recompute_activation
 
-    def _mlp(self, x, groups, probs):
+    def _mlp(self, x, groups, probs, permutation=None):
+        h = self.linear_fc1(x, groups, permutation=permutation)  # the gather fused into its quantizer
         if not self.recompute_activation:
-            return super()._mlp(x, groups, probs)
-        return self.linear_fc2(self.linear_fc1(x, groups), groups, probs, self.activation)
+            # the combine fused into fc2 too: backward gathers the output gradient inside dY's quantizer
+            return self.linear_fc2(activation_times_probs(h, probs, self.activation, self.backend), groups,
+                                   combine=permutation)
+        y = self.linear_fc2(h, groups, probs, self.activation)
+        return y if permutation is None else combine_rows(y, permutation, backend=self.backend)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pad_to={self.pad_to}"
@@ -409,16 +428,21 @@ class GroupedFP8MLP(_GroupedMLP):
         self.linear_fc1.weight_cache.invalidate()
         self.linear_fc2.weight_cache.invalidate()
 
-    def forward(self, hidden_states, tokens_per_expert, permuted_probs=None):
+    def forward(self, hidden_states, tokens_per_expert, permuted_probs=None, permutation=None):
         if self.pad_to is None:
-            return super().forward(hidden_states, tokens_per_expert, permuted_probs)
-        self._check_inputs(hidden_states, tokens_per_expert, permuted_probs)
+            return super().forward(hidden_states, tokens_per_expert, permuted_probs, permutation)
+        self._check_inputs(hidden_states, tokens_per_expert, permuted_probs, permutation)
+        if permutation is not None:  # the twin gathers in BF16: it is the oracle, not the fast path
+            hidden_states = gather_rows(hidden_states, permutation, backend=self.backend)
         dest, padded, rows = self._padding_plan(hidden_states, tokens_per_expert)
         x_pad = hidden_states.new_zeros(rows, self.hidden_size).index_copy(0, dest, hidden_states)
         probs_pad = None
         if permuted_probs is not None:
             probs_pad = permuted_probs.new_zeros(rows).index_copy(0, dest, permuted_probs)
-        return self._mlp(x_pad, padded, probs_pad).index_select(0, dest), None
+        out = self._mlp(x_pad, padded, probs_pad).index_select(0, dest)
+        if permutation is not None:
+            out = combine_rows(out, permutation, backend=self.backend)
+        return out, None
 
     def _padding_plan(self, x, sizes):
         """(padded row of every token, padded sizes [G], rows of the padded buffers), all without a host read

@@ -194,6 +194,17 @@ def run_1x128_and_grouped_128x1(x: torch.Tensor, groups: Groups, pow2: bool, bac
                                                                                 num_groups=groups.num_groups)
 
 
+def run_gather_1x128_and_grouped_128x1(x: torch.Tensor, rows: torch.Tensor, groups: Groups, pow2: bool, backend: str):
+    """`run_1x128_and_grouped_128x1` of the gathered rows `x[rows]` (rows: int32 `[M]` on x's device, each in
+    `[0, x.shape[0])`; groups describe the M gathered rows), the gather fused into the kernel's read: the same
+    bytes, and the gathered BF16 rows are never written (megatron_tma.permutation)."""
+    if _ext.use_cuda(backend, x.device):
+        q, s, qt, s_t = _ext.op("gather_quantize_1x128_and_grouped_128x1")(x, rows, groups.tensor,
+                                                                          groups.num_groups, pow2)
+        return q, s, qt, s_t
+    return run_1x128_and_grouped_128x1(x.index_select(0, rows), groups, pow2, backend)
+
+
 # Fake (meta) implementations: shapes and strides of the ops' outputs without running them, so that
 # torch.compile can trace through the quantizers. They mirror the allocations in csrc/binding/quantize.cpp
 # (tests/test_quant_api.py checks them against the reference layouts on meta tensors).
@@ -225,10 +236,18 @@ def _fake_quantize_1x128_and_grouped_128x1(x, groups, num_groups, pow2=False):
     return _fake_quantize_1x128(x) + _fake_quantize_grouped_128x1(x, groups, num_groups)
 
 
+def _fake_gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, pow2=False):
+    gathered = x.new_empty((rows.shape[0], x.shape[1]))
+    return _fake_quantize_1x128_and_grouped_128x1(gathered, groups, num_groups)
+
+
 if _ext.has_extension():
     torch.library.register_fake("megatron_tma::quantize_1x128")(_fake_quantize_1x128)
     torch.library.register_fake("megatron_tma::quantize_128x128")(_fake_quantize_128x128)
     torch.library.register_fake("megatron_tma::quantize_grouped_128x1")(_fake_quantize_grouped_128x1)
     torch.library.register_fake("megatron_tma::quantize_1x128_and_grouped_128x1")(
         _fake_quantize_1x128_and_grouped_128x1
+    )
+    torch.library.register_fake("megatron_tma::gather_quantize_1x128_and_grouped_128x1")(
+        _fake_gather_quantize_1x128_and_grouped_128x1
     )

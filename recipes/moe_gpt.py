@@ -104,7 +104,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E402
 from megatron_tma.mcore import experts as mcore_experts  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
-    CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, keep_token_counts_on_device, megatron_experts)
+    CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, keep_token_counts_on_device, megatron_experts,
+    permute_in_experts)
 from megatron_tma.mcore import checkpoint  # noqa: E402
 
 
@@ -263,6 +264,11 @@ def parse_args(argv=None):
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
                         "MoE layer at EP = 1, TP = 1; the same bits); the result's device_token_counts says which "
                         "layers it took and why others did not")
+    p.add_argument("--permute-in-experts", action="store_true",
+                   help="megatron_tma's modes: the dispatcher hands the experts the tokens as they are and the experts "
+                        "gather the rows inside their first quantizer and combine their output per token (megatron_tma."
+                        "mcore.permute_in_experts: no permuted BF16 copy either way; includes --device-token-counts); "
+                        "the result's device_token_counts says which layers it took and why others did not")
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's tables of the ops that took the most GPU time and the most host time "
                         "in this step (rank 0; that step's time then includes the profiler)")
@@ -323,6 +329,7 @@ def parse_args(argv=None):
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
             ("--profile-step", args.profile_step is not None),
             ("--device-token-counts", args.device_token_counts),
+            ("--permute-in-experts", args.permute_in_experts),
             ("--moe-permute-fusion", args.moe_permute_fusion)) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
@@ -394,7 +401,7 @@ NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "k
 
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
 ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None,
-                 "moe_permute_fusion": False}
+                 "moe_permute_fusion": False, "permute_in_experts": False}
 
 
 def training_args(args):
@@ -772,17 +779,20 @@ def train(args, mode, rank, batches):
 
 
 def device_token_counts(args, mode, models, rank):
-    """--device-token-counts: {MoE layer: None where its counts stay on the GPU, else why not} over the model chunks
-    (None without the option; Megatron's own experts need the counts on the host and are never changed)."""
-    if not args.device_token_counts:
+    """--device-token-counts / --permute-in-experts: {MoE layer: None where its counts stay on the GPU (and, with the
+    second, its experts permute their own tokens), else why not} over the model chunks (None without either option;
+    Megatron's own experts need the counts on the host and are never changed)."""
+    if not (args.device_token_counts or args.permute_in_experts):
         return None
+    patch = permute_in_experts if args.permute_in_experts else keep_token_counts_on_device
+    what = "experts permute their own tokens" if args.permute_in_experts else "token counts on the GPU"
     report = {}
     for i, model in enumerate(models):
-        report.update({f"chunk{i}.{name}": reason for name, reason in keep_token_counts_on_device(model).items()})
+        report.update({f"chunk{i}.{name}": reason for name, reason in patch(model).items()})
     if rank == 0:
         kept = sum(reason is None for reason in report.values())
         reasons = sorted({reason for reason in report.values() if reason is not None})
-        print(f"[{mode:9s}] token counts on the GPU in {kept} of {len(report)} MoE layers"
+        print(f"[{mode:9s}] {what} in {kept} of {len(report)} MoE layers"
               + (f"; the others: {'; '.join(reasons)}" if reasons else ""), flush=True)
     return report
 

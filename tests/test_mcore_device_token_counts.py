@@ -75,8 +75,9 @@ def _gpt(mode="unpadded", experts=4, dispatcher="alltoall", device="cpu", **conf
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    config.setdefault("moe_router_topk", min(2, experts))
     cfg = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_moe_experts=experts,
-                            moe_router_topk=min(2, experts), moe_ffn_hidden_size=128, gated_linear_unit=True,
+                            moe_ffn_hidden_size=128, gated_linear_unit=True,
                             activation_func=F.silu,
                             add_bias_linear=False, moe_token_dispatcher_type=dispatcher, use_cpu_initialization=True,
                             perform_initialization=False, bf16=True, params_dtype=torch.bfloat16,

@@ -29,6 +29,9 @@ template <class In, bool kPow2> struct K1x128 { static constexpr auto fn = quant
 template <class In, bool kPow2> struct K128x128 { static constexpr auto fn = quantize_128x128_kernel<In, kPow2>; };
 template <class In, bool kPow2> struct KGrouped { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, false>; };
 template <class In, bool kPow2> struct KFused { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, true>; };
+template <class In, bool kPow2> struct KFusedGather {
+  static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, true, true>;
+};
 
 bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInput::kFp16; }
 
@@ -120,9 +123,10 @@ int grouped_run(int64_t slots, int64_t tiles, int64_t grid_ctas) {
   return static_cast<int>(run < 1 ? 1 : run > cap ? cap : run);
 }
 
-// Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only).
+// Shared by the grouped quantizer and its fused 1x128 variant (q == nullptr: grouped only), with or without a row
+// gather (fused variant only).
 cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2, void* qt,
-                           float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream) {
+                           float* s, void* q, float* s1, int64_t s1_ld, cudaStream_t stream, RowGather gather = {}) {
   const int G = groups.num_groups;
   // Rows and qt columns stay in int on the device, rows with room for a whole block past the end.
   if (!input_ok(in) || groups.ptr == nullptr || G < 1 || G > kGroupedMaxGroups || m < 0 || m > INT_MAX - kBlock ||
@@ -133,6 +137,9 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   // m == 0 still launches: qt [k, 128 G] and s [G, k] are zeros to write (x is never read).
   if ((m > 0 && !aligned16(x)) || !aligned16(qt) || mb_max >= INT_MAX) return cudaErrorInvalidValue;
   if (q != nullptr && (s1_ld < m || s1_ld > INT_MAX || s1_ld % 4 != 0 || (m > 0 && !aligned16(q))))
+    return cudaErrorInvalidValue;
+  const bool gathered = gather.rows != nullptr;
+  if (gathered && (q == nullptr || gather.src_rows < (m > 0 ? 1 : 0) || gather.src_rows > INT_MAX))
     return cudaErrorInvalidValue;
 
   QuantizeGroupedParams p;
@@ -147,9 +154,12 @@ cudaError_t launch_grouped(const void* x, QuantInput in, int64_t m, int64_t k, G
   p.q = static_cast<uint8_t*>(q);
   p.s1 = s1;
   p.s1_ld = static_cast<int>(q != nullptr ? s1_ld : 0);
+  p.rows = gather.rows;
+  p.src_rows = static_cast<int>(gather.src_rows);
   const int64_t kbs = cdiv(k, kBlock), slots = mb_max + 1;  // the token blocks' scale rows + the last tail slot
   if (slots * kbs > int64_t(UINT32_MAX)) return cudaErrorInvalidValue;  // unit indices are 32-bit on the device
-  const auto kernel = q != nullptr ? pick<KFused>(in, pow2) : pick<KGrouped>(in, pow2);
+  const auto kernel = gathered ? pick<KFusedGather>(in, pow2) : q != nullptr ? pick<KFused>(in, pow2)
+                                                                           : pick<KGrouped>(in, pow2);
   const int smem = grouped_dynamic_smem(G);
   int grid = 0;  // first the persistent grid for one slot per unit, then for the units
   const cudaError_t err = persistent_grid(kernel, kGroupedCtasPerSm, smem, slots * kbs, &grid);
@@ -170,12 +180,12 @@ cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int6
 
 cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
                                              bool pow2, void* q, float* s, int64_t s_ld, void* qt, float* s_t,
-                                             cudaStream_t stream) {
+                                             cudaStream_t stream, RowGather gather) {
   if (q == nullptr && m > 0 && k > 0) return cudaErrorInvalidValue;
   if (m == 0 || k == 0) {  // no 1x128 entry to write; qt's zeros and the grouped scales' zero rows still are
     return launch_grouped(x, in, m, k, groups, pow2, qt, s_t, nullptr, nullptr, 0, stream);
   }
-  return launch_grouped(x, in, m, k, groups, pow2, qt, s_t, q, s, s_ld, stream);
+  return launch_grouped(x, in, m, k, groups, pow2, qt, s_t, q, s, s_ld, stream, gather);
 }
 
 }  // namespace megatron_tma

@@ -10,6 +10,9 @@
   it only there: it reads Megatron-LM's parsed arguments);
 * `device_token_counts`: `keep_token_counts_on_device(model)`, Megatron's all-to-all dispatcher without its host
   sync per MoE layer where our experts are its only reader of the counts (EP = 1, TP = 1, dropless);
+* `experts_permutation`: `permute_in_experts(model)`, the same dispatcher handing the experts the tokens as they are:
+  the experts gather the rows inside their first quantizer and combine their output per token (no permuted BF16
+  copy either way);
 * `experts_impl`: Megatron-LM's flag `--moe-experts-impl megatron_tma-unpadded`, which `patches/` adds: its choices
   and the hook the patched GPT builder calls (no Megatron import until the hook runs).
 The recipe that trains a small MoE GPT with each mode under torchrun and compares them is `recipes/moe_gpt.py`.
@@ -18,10 +21,12 @@ import importlib
 
 from .config import CONFIG_FLAG, MODES, ExpertMLPArgs, expert_mlp_args, from_sequential_mlp_key, pad_to_of
 from .device_token_counts import keep_token_counts_on_device
+from .experts_permutation import permute_in_experts
 from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
 
 __all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts",
            "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights", "keep_token_counts_on_device",
+           "permute_in_experts",
            "CONFIG_FLAG", "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec", "replace_experts"]
 
 _LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec",

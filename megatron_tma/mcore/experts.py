@@ -107,6 +107,13 @@ class _MegatronExperts:
                 "op path and inference routing)"
             )
         x = permuted_local_hidden_states
+        # Set by the dispatcher that megatron_tma.mcore.experts_permutation patched, for this one forward: x is then
+        # the routed tokens in their own order, and the output goes back to them combined.
+        permutation, self._pending_permutation = getattr(self, "_pending_permutation", None), None
+        if permutation is not None:
+            if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device != x.device:
+                tokens_per_expert = tokens_per_expert.to(x.device, non_blocking=True)
+            return super().forward(x, tokens_per_expert, permuted_probs, permutation=permutation)
         if getattr(self.config, "moe_apply_probs_on_input", False) and permuted_probs is not None:
             # Megatron's top-1 option: the probs scale the input (FP32 product, one rounding to x's dtype), and the
             # activation then multiplies by nothing; the padded twins get the same scaled rows, so the bits agree

@@ -47,10 +47,20 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
 cudaError_t quantize_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups, bool pow2,
                                    void* qt, float* s, cudaStream_t stream);
 
+// A row gather fused into a quantizer's read: the matrix quantized is [m, k] with row r = x row rows[r], x being
+// [src_rows, k] (the MoE permutation: x the routed tokens in their own order, rows[r] the token of permuted row
+// r). rows: int32 [m] on the device, each in [0, src_rows) (an index outside is clamped into it: never a read
+// outside x). rows == nullptr: no gather (x is [m, k] itself).
+struct RowGather {
+  const int32_t* rows = nullptr;
+  int64_t src_rows = 0;
+};
+
 // Both quantize_1x128 (q, s, s_ld) and quantize_grouped_128x1 (qt, s_t) of the same x in one pass: x is read
-// once instead of twice (the backward quantizes dY for dgrad and wgrad). Same outputs, same rules.
+// once instead of twice (the backward quantizes dY for dgrad and wgrad). Same outputs, same rules; with `gather`,
+// of the gathered matrix (m its rows), the same bytes as gathering first.
 cudaError_t quantize_1x128_and_grouped_128x1(const void* x, QuantInput in, int64_t m, int64_t k, GroupsArg groups,
                                              bool pow2, void* q, float* s, int64_t s_ld, void* qt, float* s_t,
-                                             cudaStream_t stream);
+                                             cudaStream_t stream, RowGather gather = {});
 
 }  // namespace megatron_tma

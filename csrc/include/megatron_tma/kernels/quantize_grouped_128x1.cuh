@@ -47,6 +47,10 @@ struct QuantizeGroupedParams {
   uint8_t* q;     // e4m3 [m, k]
   float* s1;      // storage [ceil(k/128), s1_ld], entries m..s1_ld-1 written as 1.0
   int s1_ld;
+  // kGather only: x is [src_rows, k] and row r of the quantized matrix is x row rows[r] (int32 [m]). An index
+  // outside [0, src_rows) is clamped into it: a bad index reads a wrong row, never memory outside x.
+  const int* rows;
+  int src_rows;
 };
 
 struct Slot {
@@ -184,7 +188,7 @@ __device__ __forceinline__ void quantize_rows_1x128(const uint4 (&v)[8], const S
   }
 }
 
-template <class In, bool kPow2, bool kAlso1x128>
+template <class In, bool kPow2, bool kAlso1x128, bool kGather = false>
 __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_128x1_kernel(const QuantizeGroupedParams p) {
   extern __shared__ int smem_groups[];  // off[G+1] (x rows), col[G+1] (qt columns a_g), blk[G+1] (token blocks)
   // The transposed tile, then the pending line chunks [kBlock][8] of store_slot: one array, so that picking a
@@ -216,7 +220,19 @@ __global__ void __launch_bounds__(kThreads, kGroupedCtasPerSm) quantize_grouped_
   // Rows past a token block (or all of a tail slot's) load as zeros: no memory access.
   auto load = [&](int kb, const Slot& sl, uint4(&v)[8]) {
     const int c = kb * kBlock + 8 * sub.kc;
-    load_subtile(v, x + int64_t(sl.row0 + 8 * sub.rg) * p.k + c, p.k, sl.rows - 8 * sub.rg, c < p.k);
+    if constexpr (kGather) {
+      // The 16 lanes of a row group read the same 8 indices (one broadcast load each), all issued before the
+      // data loads that depend on them.
+      const int r0 = sl.row0 + 8 * sub.rg, left = sl.rows - 8 * sub.rg;
+      int src[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) src[j] = j < left ? min(max(__ldg(p.rows + r0 + j), 0), p.src_rows - 1) : 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        v[j] = (c < p.k && j < left) ? load_stream(x + int64_t(src[j]) * p.k + c) : make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      load_subtile(v, x + int64_t(sl.row0 + 8 * sub.rg) * p.k + c, p.k, sl.rows - 8 * sub.rg, c < p.k);
+    }
   };
   const int slots = p.mb_max + 1;
   const GroupedUnits units{static_cast<uint32_t>((slots + p.run - 1) / p.run), static_cast<uint32_t>(p.run),

@@ -1,0 +1,183 @@
+"""The MoE permutation owned by the experts: routed tokens in, combined tokens out, no permuted BF16 copy.
+
+Megatron's token dispatcher permutes the routed tokens `[T, H]` into one row per (token, chosen expert), grouped by
+expert (`[T k, H]`, a BF16 copy), hands that to the experts, and un-permutes their output by a scatter-add. The
+FP8 experts then read the permuted copy once, to quantize it. Here the experts take the tokens in their own order
+with a `Permutation` and:
+* forward: quantize the permuted rows straight from the tokens (the gather fused into the first linear's row +
+  column quantizer: `gather_quantize_1x128_and_grouped_128x1`), so the permuted BF16 copy is never written or
+  read again; and combine their output rows into tokens themselves (`combine_rows`);
+* backward: the combine's gradient is the gather `dY[r] = dOut[rows[r]]`, read by the second linear's row + column
+  quantizer straight from the tokens' gradient (fused as in forward: no BF16 copy of dY), and the first linear's
+  input gradient comes back combined per token (`combine_rows` again), as the permutation's backward would.
+
+`combine_rows` adds each token's k rows in FP32 in one fixed order (its experts in ascending order, from +0) and
+rounds once: deterministic, so the unpadded experts and their padded twins, which produce the same rows, also
+produce the same combined bits. Megatron's own un-permutation adds BF16 rows with atomics (torch path) or in FP32
+per token (Transformer Engine's fused path); this is the latter's arithmetic.
+
+`permutation_from_routing_map` builds the plan in Megatron's order (experts ascending, each expert's tokens in
+token order: `megatron.core.transformer.moe.moe_utils.permute`'s), so the permuted rows, the token counts and
+the permuted probs are those Megatron's dispatcher would hand the experts.
+"""
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _ext
+from ._validate import check_tensor
+
+__all__ = ["Permutation", "permutation_from_routing_map", "check_permutation", "combine_rows", "gather_rows",
+           "COMBINE_MAX_ROWS_PER_TOKEN"]
+
+COMBINE_MAX_ROWS_PER_TOKEN = 32  # kCombineMaxRowsPerToken in csrc/include/megatron_tma/host/combine_rows.h
+
+
+class Permutation(NamedTuple):
+    """Where each permuted row comes from and where it goes back to. Device tensors, never read on the host."""
+
+    rows: torch.Tensor  # int32 [T k]: the token of permuted row r (rows grouped by expert)
+    token_rows: torch.Tensor  # int32 [T, k]: the permuted rows of token t, in ascending order (its experts')
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_rows.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.shape[0]
+
+
+def permutation_from_routing_map(routing_map: torch.Tensor, topk: int, probs: Optional[torch.Tensor] = None
+                                 ) -> Tuple[Permutation, torch.Tensor, Optional[torch.Tensor]]:
+    """(the `Permutation`, the tokens per expert int64 `[E]`, the permuted probs `[T topk]` or None) of a routing
+    map (bool `[T, E]`) in which every token picks exactly `topk` experts (Megatron's dropless top-k routing), in
+    Megatron's permuted order. `probs` (`[T, E]`, the router's probs) come out permuted as Megatron permutes them.
+    Fixed shapes and no host read (argsorts, as Megatron's own CUDA-graph-safe permute): a map with another number
+    of experts for some token gives a wrong plan, as it gives Megatron's permute a wrong one."""
+    check_tensor(routing_map, "routing_map", (torch.bool,), dim=2)
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= COMBINE_MAX_ROWS_PER_TOKEN:
+        raise ValueError(f"topk must be an int in [1, {COMBINE_MAX_ROWS_PER_TOKEN}], got {topk!r}")
+    num_tokens, num_experts = routing_map.shape
+    if topk > num_experts:
+        raise ValueError(f"topk={topk} exceeds the routing map's {num_experts} experts")
+    if probs is not None:
+        check_tensor(probs, "probs", dim=2, contiguous=False)
+        if probs.shape != routing_map.shape or probs.device != routing_map.device:
+            raise ValueError(f"probs must be [T, E] = {list(routing_map.shape)} on {routing_map.device}, got "
+                             f"{list(probs.shape)} on {probs.device}")
+    # [E, T] flattened: entry e T + t; a stable descending sort puts the chosen entries first, expert by expert,
+    # tokens ascending within an expert (Megatron's permuted order).
+    order = routing_map.T.contiguous().reshape(-1).argsort(descending=True, stable=True)[: num_tokens * topk]
+    rows = (order % max(num_tokens, 1)).to(torch.int32)
+    # Token t's rows, ascending: a stable sort of the rows by token.
+    token_rows = rows.argsort(stable=True).to(torch.int32).view(num_tokens, topk)
+    permuted_probs = None if probs is None else probs.T.contiguous().reshape(-1).index_select(0, order)
+    return Permutation(rows, token_rows), routing_map.sum(0), permuted_probs
+
+
+def _combine_reference(y: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    acc = torch.zeros(token_rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    index = token_rows.long()
+    for j in range(token_rows.shape[1]):  # the kernel's order: j = 0..k-1, each add rounded in FP32
+        acc += y.index_select(0, index[:, j]).float()
+    return acc.to(torch.bfloat16)
+
+
+def _check_combine_args(y: torch.Tensor, token_rows: torch.Tensor) -> None:
+    check_tensor(y, "y", (torch.bfloat16,), dim=2)
+    check_tensor(token_rows, "token_rows", (torch.int32,), dim=2)
+    if token_rows.device != y.device:
+        raise ValueError(f"token_rows must be on y's device {y.device}, got {token_rows.device}")
+    if y.shape[1] % 8:
+        raise ValueError(f"the last dim of y must be a multiple of 8 (16-byte rows), got {y.shape[1]}")
+    k = token_rows.shape[1]
+    if not 1 <= k <= COMBINE_MAX_ROWS_PER_TOKEN:
+        raise ValueError(f"token_rows must have 1..{COMBINE_MAX_ROWS_PER_TOKEN} rows per token, got {k}")
+    if token_rows.shape[0] and not y.shape[0]:
+        raise ValueError("token_rows name rows of y, which has none")
+
+
+def run_combine_rows(y: torch.Tensor, token_rows: torch.Tensor, backend: str) -> torch.Tensor:
+    """`combine_rows` without its argument checks (callers that checked the plan once)."""
+    if _ext.use_cuda(backend, y.device):
+        return _ext.op("combine_rows")(y, token_rows)
+    return _combine_reference(y, token_rows)
+
+
+
+
+def check_permutation(permutation, num_rows: Optional[int], x: Optional[torch.Tensor], name: str = "permutation",
+                      device: Optional[torch.device] = None) -> Permutation:
+    """The checks of a `Permutation` against its use: permuted rows (`num_rows` of them, if not None) of the tokens
+    x `[T, H]` (if not None; else of tokens on `device`)."""
+    if not isinstance(permutation, Permutation):
+        raise TypeError(f"{name} must be a megatron_tma.permutation.Permutation, got {type(permutation).__name__}")
+    check_tensor(permutation.rows, f"{name}.rows", (torch.int32,), dim=1)
+    check_tensor(permutation.token_rows, f"{name}.token_rows", (torch.int32,), dim=2)
+    device = x.device if x is not None else device
+    for t in permutation:
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} must be on the tokens' device {device}, got {t.device}")
+    t, k = permutation.token_rows.shape
+    tokens = t if x is None else x.shape[0]
+    if t != tokens or t * k != permutation.rows.shape[0] or num_rows not in (None, permutation.rows.shape[0]):
+        raise ValueError(f"{name} does not fit: {tokens} tokens and {num_rows} permuted rows, but it has "
+                         f"token_rows {list(permutation.token_rows.shape)} and {permutation.rows.shape[0]} rows")
+    if not 1 <= k <= COMBINE_MAX_ROWS_PER_TOKEN:
+        raise ValueError(f"{name} must have 1..{COMBINE_MAX_ROWS_PER_TOKEN} rows per token, got {k}")
+    return permutation
+
+
+class _GatherRows(torch.autograd.Function):
+    """x[rows]; backward: the rows' gradients combined per token (the same sum as `combine_rows`)."""
+
+    @staticmethod
+    def forward(ctx, x, rows, token_rows, backend):
+        ctx.save_for_backward(token_rows)
+        ctx.backend = backend
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_rows,) = ctx.saved_tensors
+        return run_combine_rows(grad.contiguous(), token_rows, ctx.backend), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """combine_rows(y); backward: the gather grad[rows]."""
+
+    @staticmethod
+    def forward(ctx, y, rows, token_rows, backend):
+        ctx.save_for_backward(rows)
+        return run_combine_rows(y.contiguous(), token_rows, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows), None, None, None
+
+
+def gather_rows(x: torch.Tensor, permutation: Permutation, *, backend: str = "auto") -> torch.Tensor:
+    """The permuted rows `x[permutation.rows]` (bf16 `[T k, H]`), differentiable: the gradient of x is the rows'
+    gradients combined per token (`combine_rows`' sum)."""
+    check_permutation(permutation, None, x)
+    return _GatherRows.apply(x, permutation.rows, permutation.token_rows, backend)
+
+
+def combine_rows(y: torch.Tensor, permutation: Permutation, *, backend: str = "auto") -> torch.Tensor:
+    """The tokens `[T, H]` from their permuted rows y (bf16 `[T k, H]`, H % 8 == 0): each token's k rows added
+    in FP32 in ascending row order, rounded once (module docstring). Differentiable: y's gradient is the gather
+    of the tokens' gradient."""
+    _check_combine_args(y, permutation.token_rows)
+    if y.shape[0] != permutation.rows.shape[0]:
+        raise ValueError(f"y must have the permutation's {permutation.rows.shape[0]} rows, got {y.shape[0]}")
+    return _CombineRows.apply(y, permutation.rows, permutation.token_rows, backend)
+
+
+def _fake_combine_rows(y, token_rows):
+    return y.new_empty((token_rows.shape[0], y.shape[1]))
+
+
+if _ext.has_extension():
+    torch.library.register_fake("megatron_tma::combine_rows")(_fake_combine_rows)
