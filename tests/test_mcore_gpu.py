@@ -89,6 +89,25 @@ def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
     assert run.returncode == 0 and run.stdout.count("the same bits") == 3, run.stdout + run.stderr
 
 
+def test_recipe_with_experts_permuting_their_tokens_trains_the_same_bits(tmp_path):
+    """--permute-in-experts (the experts gather their rows inside their quantizers and combine their output rows
+    per token; Megatron's permuted BF16 copies never made): at the recipe's top-2, where Megatron's torch
+    un-permutation adds two BF16 rows exactly, the same training bits as Megatron's permutation in our FP8 modes, the
+    twins still equal to each other; the BF16 experts are refused (their counts still stay on the GPU)."""
+    args = ("--steps", "8", "--modes", "unpadded", "padded16", "bf16")
+    plain, _ = _recipe(tmp_path / "plain", *args)
+    path, result = _recipe(tmp_path / "permuted", *args, "--permute-in-experts")
+    for mode in ("unpadded", "padded16"):
+        layers = result["records"][mode]["device_token_counts"]
+        assert len(layers) == 2 and all(reason is None for reason in layers.values()), (mode, layers)
+    bf16 = result["records"]["bf16"]["device_token_counts"].values()
+    assert len(bf16) == 2 and all("BF16 experts" in reason for reason in bf16), bf16
+    assert result["summary"]["padded16"]["bitexact_params"]
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("the same bits") == 3, run.stdout + run.stderr
+
+
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 TE_FP8 = ("--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise")
 
