@@ -5,6 +5,7 @@ reference backend (the padded twins and the recomputed activation too)."""
 import pytest
 import torch
 from _dists import random_rows
+from _permutation_steps import assert_same_steps, mlp_step, routing
 
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 from megatron_tma.permutation import (Permutation, check_permutation, combine_rows, gather_rows,
@@ -14,13 +15,6 @@ try:
     from megatron.core.transformer.moe.moe_utils import permute as megatron_permute
 except Exception:  # noqa: BLE001 - megatron-core needs Python >= 3.12
     megatron_permute = None
-
-
-def routing(num_tokens, num_experts, topk, gen):
-    logits = torch.randn(num_tokens, num_experts, generator=gen)
-    chosen = logits.topk(topk, dim=1).indices
-    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, chosen, True)
-    return routing_map, torch.softmax(logits, 1)
 
 
 @pytest.mark.parametrize("tokens,experts,topk", [(1, 1, 1), (37, 8, 2), (64, 16, 8), (5, 4, 4)])
@@ -110,20 +104,6 @@ def test_argument_errors(gen):
         mlp.linear_fc2(x, sizes, pp, "swiglu", permutation=perm)
 
 
-def _step(mlp, x, sizes, probs, perm, dout, fused):
-    x = x.clone().requires_grad_()
-    probs = probs.clone().requires_grad_()
-    for p in mlp.parameters():
-        p.grad = None
-    if fused:
-        out, _ = mlp(x, sizes, probs, permutation=perm)
-    else:  # what Megatron's permutation around the experts computes, with the same combine
-        y, _ = mlp(x.index_select(0, perm.rows), sizes, probs)
-        out = combine_rows(y, perm, backend="reference")
-    out.backward(dout)
-    return [out, x.grad, probs.grad] + [p.grad.clone() for p in mlp.parameters()]
-
-
 @pytest.mark.parametrize("make", [
     lambda: GroupedFP8MLP(4, 256, 128, backend="reference"),
     lambda: GroupedFP8MLP(4, 256, 128, backend="reference", pad_to=16),
@@ -138,11 +118,9 @@ def test_mlp_with_permutation_equals_gather_mlp_combine(make, gen):
     x, dout = random_rows(45, 256, gen), random_rows(45, 256, gen)
     torch.manual_seed(3)
     mlp = make()
-    got = _step(mlp, x, sizes, permuted_probs, perm, dout, fused=True)
-    want = _step(mlp, x, sizes, permuted_probs, perm, dout, fused=False)
-    assert got[0].shape == (45, 256)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    got = mlp_step(mlp, x, sizes, permuted_probs, perm, dout, fused=True)
+    assert got["out"].shape == (45, 256)
+    assert_same_steps(got, mlp_step(mlp, x, sizes, permuted_probs, perm, dout, fused=False))
 
 
 def test_twins_equal_with_permutation(gen):
@@ -152,8 +130,7 @@ def test_twins_equal_with_permutation(gen):
     results = []
     for pad_to in (None, 16, 128):
         torch.manual_seed(5)
-        results.append(_step(GroupedFP8MLP(4, 256, 128, backend="reference", pad_to=pad_to), x, sizes,
-                             permuted_probs, perm, dout, fused=True))
+        results.append(mlp_step(GroupedFP8MLP(4, 256, 128, backend="reference", pad_to=pad_to), x, sizes,
+                                permuted_probs, perm, dout, fused=True))
     for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
+        assert_same_steps(other, results[0])

@@ -5,11 +5,12 @@ padded twins, values and gradients. Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
 from _dists import EDGE_GROUPINGS, random_rows
+from _permutation_steps import assert_same_steps, mlp_step, routing
 
 from megatron_tma import _ext
 from megatron_tma.groups import check_groups
 from megatron_tma.mlp import GroupedFP8MLP
-from megatron_tma.permutation import combine_rows, gather_rows, permutation_from_routing_map
+from megatron_tma.permutation import permutation_from_routing_map
 from megatron_tma.quant import run_1x128_and_grouped_128x1, run_gather_1x128_and_grouped_128x1
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
@@ -62,34 +63,9 @@ def test_combine_kernel_equals_fp32_reference(k, tokens, h, gen):
     assert_bits(got, ref.to(torch.bfloat16))
 
 
-def _routing(tokens, experts, topk, gen):
-    logits = torch.randn(tokens, experts, generator=gen)
-    chosen = logits.topk(topk, dim=1).indices
-    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
-    return routing_map.to(DEV), torch.softmax(logits, 1).to(DEV)
-
-
-def _step(mlp, x, sizes, probs, perm, dout, fused):
-    x = x.clone().requires_grad_()
-    probs = probs.clone().requires_grad_()
-    for p in mlp.parameters():
-        p.grad = None
-    if fused:
-        out, _ = mlp(x, sizes, probs, permutation=perm)
-    else:
-        # gather_rows, not index_select: index_select's backward adds the k rows of a token in BF16 with atomics
-        # (order-dependent from top-3 on); gather_rows' backward is combine_rows' FP32 sum, as the fused path's.
-        y, _ = mlp(gather_rows(x, perm), sizes, probs)
-        out = combine_rows(y, perm)
-    out.backward(dout)
-    results = {"out": out, "x.grad": x.grad, "probs.grad": probs.grad}
-    results.update({f"{n}.grad": p.grad.clone() for n, p in mlp.named_parameters()})
-    return results
-
-
 @pytest.mark.parametrize("tokens,experts,topk,hidden,ffn", [(1000, 8, 2, 512, 256), (4096, 32, 8, 1024, 256)])
 def test_mlp_with_permutation_bits(tokens, experts, topk, hidden, ffn, gen):
-    routing_map, probs = _routing(tokens, experts, topk, gen)
+    routing_map, probs = routing(tokens, experts, topk, gen, DEV)
     perm, sizes, permuted_probs = permutation_from_routing_map(routing_map, topk, probs)
     x, dout = random_rows(tokens, hidden, gen).to(DEV), random_rows(tokens, hidden, gen).to(DEV)
     results = {}
@@ -97,14 +73,9 @@ def test_mlp_with_permutation_bits(tokens, experts, topk, hidden, ffn, gen):
                      ("recompute", dict(recompute_activation=True))]:
         torch.manual_seed(11)
         mlp = GroupedFP8MLP(experts, hidden, ffn, backend="cuda", device=DEV, **kw)
-        results[name] = _step(mlp, x, sizes, permuted_probs, perm, dout, fused=True)
-        if name == "unpadded":  # the fused gather and combine against Megatron's order of operations
-            unfused = _step(mlp, x, sizes, permuted_probs, perm, dout, fused=False)
-            assert unfused.keys() == results[name].keys()
-            for what, a in results[name].items():
-                assert torch.equal(a, unfused[what]), what
+        results[name] = mlp_step(mlp, x, sizes, permuted_probs, perm, dout, fused=True)
+        if name == "unpadded":  # the gather and combine fused into the experts against the same steps around them
+            assert_same_steps(results[name], mlp_step(mlp, x, sizes, permuted_probs, perm, dout, fused=False))
     for name, got in results.items():
-        assert got.keys() == results["unpadded"].keys(), name
-        for what, a in got.items():
-            assert torch.equal(a, results["unpadded"][what]), (name, what)
+        assert_same_steps(got, results["unpadded"], name)
     assert torch.isfinite(results["unpadded"]["out"].float()).all()

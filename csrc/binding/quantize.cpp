@@ -106,13 +106,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_grouped_128x1(const at::Tensor& x, c
   return {qt, s};
 }
 
-// quantize_1x128(x) and quantize_grouped_128x1(x, groups) in one pass: (q, s, qt, s_t), same layouts.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_and_grouped_128x1(
-    const at::Tensor& x, const at::Tensor& groups, int64_t num_groups, bool pow2) {
-  const QuantInput in = check_input(x, "x", 2);
+// The rows + columns pass over M rows of x (all of them, or those `gather` names): (q, s, qt, s_t), the layouts of
+// quantize_1x128 and quantize_grouped_128x1.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rows_and_columns(
+    const at::Tensor& x, const QuantInput& in, int64_t M, const at::Tensor& groups, int64_t num_groups, bool pow2,
+    const megatron_tma::RowGather& gather, const char* name) {
   const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
-  const int64_t M = x.size(0), K = x.size(1);
-  const int64_t m_pad = cdiv(M, 4) * 4, P = checked_wgrad_pitch(M, num_groups);
+  const int64_t K = x.size(1), m_pad = cdiv(M, 4) * 4, P = checked_wgrad_pitch(M, num_groups);
   c10::cuda::CUDAGuard guard(x.device());
   const at::TensorOptions fp8 = x.options().dtype(at::kFloat8_e4m3fn), f32 = x.options().dtype(at::kFloat);
   at::Tensor q = at::empty({M, K}, fp8);
@@ -121,9 +121,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_and_gr
   at::Tensor s_t = at::empty({M / 128 + num_groups, K}, f32);
   check_launch(megatron_tma::quantize_1x128_and_grouped_128x1(x.data_ptr(), in, M, K, desc, pow2, q.data_ptr(),
                                                               s.data_ptr<float>(), m_pad, qt.data_ptr(),
-                                                              s_t.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
-               "quantize_1x128_and_grouped_128x1");
+                                                              s_t.data_ptr<float>(), at::cuda::getCurrentCUDAStream(),
+                                                              gather),
+               name);
   return {q, s.narrow(1, 0, M).t(), qt, s_t};
+}
+
+// quantize_1x128(x) and quantize_grouped_128x1(x, groups) in one pass: (q, s, qt, s_t), same layouts.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_1x128_and_grouped_128x1(
+    const at::Tensor& x, const at::Tensor& groups, int64_t num_groups, bool pow2) {
+  const QuantInput in = check_input(x, "x", 2);
+  return rows_and_columns(x, in, x.size(0), groups, num_groups, pow2, megatron_tma::RowGather{},
+                          "quantize_1x128_and_grouped_128x1");
 }
 
 // The same of the rows of x that `rows` names (row r of the result = x row rows[r]): the MoE permutation fused into
@@ -134,23 +143,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_quantize_1x128
   TORCH_CHECK_TYPE(rows.scalar_type() == at::kInt, "rows must be int32, got ", rows.scalar_type());
   TORCH_CHECK_VALUE(rows.device() == x.device() && rows.dim() == 1 && rows.is_contiguous(),
                     "rows must be a contiguous 1-D tensor on ", x.device());
-  const int64_t M = rows.numel(), K = x.size(1);
-  TORCH_CHECK_VALUE(M == 0 || x.size(0) > 0, "rows name rows of x, which has none");
+  TORCH_CHECK_VALUE(rows.numel() == 0 || x.size(0) > 0, "rows name rows of x, which has none");
   TORCH_CHECK_VALUE(x.size(0) <= INT_MAX, "x must have at most INT_MAX rows, got ", x.size(0));
-  const megatron_tma::GroupsArg desc = check_groups(groups, num_groups, x);
-  const int64_t m_pad = cdiv(M, 4) * 4, P = checked_wgrad_pitch(M, num_groups);
-  c10::cuda::CUDAGuard guard(x.device());
-  const at::TensorOptions fp8 = x.options().dtype(at::kFloat8_e4m3fn), f32 = x.options().dtype(at::kFloat);
-  at::Tensor q = at::empty({M, K}, fp8);
-  at::Tensor s = at::empty({cdiv(K, 128), m_pad}, f32);
-  at::Tensor qt = at::empty({K, P}, fp8);
-  at::Tensor s_t = at::empty({M / 128 + num_groups, K}, f32);
-  check_launch(megatron_tma::quantize_1x128_and_grouped_128x1(
-                   x.data_ptr(), in, M, K, desc, pow2, q.data_ptr(), s.data_ptr<float>(), m_pad, qt.data_ptr(),
-                   s_t.data_ptr<float>(), at::cuda::getCurrentCUDAStream(),
-                   megatron_tma::RowGather{rows.data_ptr<int32_t>(), x.size(0)}),
-               "gather_quantize_1x128_and_grouped_128x1");
-  return {q, s.narrow(1, 0, M).t(), qt, s_t};
+  return rows_and_columns(x, in, rows.numel(), groups, num_groups, pow2,
+                          megatron_tma::RowGather{rows.data_ptr<int32_t>(), x.size(0)},
+                          "gather_quantize_1x128_and_grouped_128x1");
 }
 
 }  // namespace
