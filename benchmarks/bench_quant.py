@@ -1,6 +1,9 @@
 """FP8 quantizer benchmark (docs/design.md §5 protocol): bandwidth of the three CUDA quantizers against the
 device-to-device copy measured in the same run, every result checked bit for bit against
 megatron_tma.reference on the same input. Writes benchmarks/results/quant-<stamp>.json and a PNG.
+The MoE permutation's two kernels (megatron_tma.permutation) ride along: the fused quantizer reading its rows through
+a top-k permutation of the tokens (against index_select + the fused quantizer), and combine_rows (against the torch
+un-permutation Megatron runs without fusion: a BF16 index_add), on a DeepSeek-V3-like layer (T = 32768, top-8).
 
     python benchmarks/bench_quant.py [--quick] [--iters N] [--out DIR]
 
@@ -19,12 +22,15 @@ import common  # noqa: E402
 from bench_k_grouped import wgrad_pitch  # noqa: E402
 
 from megatron_tma import reference  # noqa: E402
-from megatron_tma.groups import make_group_sizes  # noqa: E402
+from megatron_tma.groups import check_groups, make_group_sizes  # noqa: E402
+from megatron_tma.permutation import combine_rows, permutation_from_routing_map  # noqa: E402
 from megatron_tma.quant import (  # noqa: E402
     quantize_1x128,
     quantize_1x128_and_grouped_128x1,
     quantize_128x128,
     quantize_grouped_128x1,
+    run_1x128_and_grouped_128x1,
+    run_gather_1x128_and_grouped_128x1,
 )
 
 # Targets of the task (TB/s of bytes read + written at the headline shapes, bf16, FP32 scales).
@@ -47,12 +53,17 @@ CONFIGS = [
     ("quantize_grouped_128x1", (65536, 7168), {"G": 32, "dist": "paper", "pow2": True}),
     ("quantize_1x128_and_grouped_128x1", (65536, 7168), {"G": 32, "dist": "paper"}),
     ("quantize_1x128_and_grouped_128x1", (32768, 4096), {"G": 8, "dist": "skewed"}),
+    # (tokens T, hidden K); the rows are the T topk permuted ones of a random top-k routing over G experts
+    ("gather_quantize_1x128_and_grouped_128x1", (32768, 2048), {"G": 64, "topk": 8}),
+    ("combine_rows", (32768, 2048), {"G": 64, "topk": 8}),
 ]
 QUICK = CONFIGS[:3]
 # The result rows name each kernel by its role too, so that readers (and target checks) can
 # tell the wgrad column quantizer from the 1x128 row quantizer; "op" keeps the Python function name.
 KERNEL_LABEL = {"quantize_grouped_128x1": "quantize_grouped_128x1 (wgrad columns)",
-                "quantize_1x128_and_grouped_128x1": "quantize_1x128_and_grouped_128x1 (fused rows + wgrad columns)"}
+                "quantize_1x128_and_grouped_128x1": "quantize_1x128_and_grouped_128x1 (fused rows + wgrad columns)",
+                "gather_quantize_1x128_and_grouped_128x1": "rows + columns, rows permuted",
+                "combine_rows": "combine_rows (FP32 un-permute)"}
 
 
 def _cdiv(a, b):
@@ -78,11 +89,49 @@ def _same(out, ref):
     return True
 
 
+def _routed(tokens, experts, topk, gen):
+    """A random top-k routing's permutation (megatron_tma.permutation) and its tokens per expert, on the GPU."""
+    logits = torch.randn(tokens, experts, generator=gen, device="cuda")
+    chosen = logits.topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda").scatter_(1, chosen, True)
+    perm, sizes, _ = permutation_from_routing_map(routing_map, topk)
+    return perm, sizes
+
+
+def _permutation_config(kernel, shape, extra, gen, pow2, row, iters):
+    """(fn, ref, bytes moved) of the two permutation kernels; row gets the baseline's time."""
+    tokens, k = shape
+    G, topk = extra["G"], extra["topk"]
+    m = tokens * topk
+    row.update(G=G, topk=topk, rows=m)
+    perm, sizes = _routed(tokens, G, topk, gen)
+    if kernel == "gather_quantize_1x128_and_grouped_128x1":
+        x = _rows_with_spread(tokens, k, gen)
+        groups = check_groups(sizes, G, m_total=m)
+        fn = lambda: run_gather_1x128_and_grouped_128x1(x, perm.rows, groups, pow2, "cuda")  # noqa: E731
+        ref = lambda: run_1x128_and_grouped_128x1(x.index_select(0, perm.rows), groups, pow2, "cuda")  # noqa: E731
+        nbytes = (2 * m * k + m * 4 + m * k + _cdiv(k, 128) * _cdiv(m, 4) * 4 * 4 + k * wgrad_pitch(m, G)
+                  + (m // 128 + G) * k * 4)  # the gathered rows read once, and what the fused quantizer writes
+        row["baseline"] = "index_select (the permuted BF16 copy) + the fused quantizer"
+        row["baseline_ms"] = round(common.bench(ref, iters=iters), 5)
+        return fn, ref, nbytes
+    y = _rows_with_spread(m, k, gen)
+    fn = lambda: (combine_rows(y, perm, backend="cuda"),)  # noqa: E731
+    ref = lambda: (combine_rows(y, perm, backend="reference"),)  # noqa: E731
+    token_of_row = perm.rows.long()
+    row["baseline"] = "BF16 index_add of the rows into zeroed tokens (Megatron's unfused un-permutation)"
+    row["baseline_ms"] = round(common.bench(
+        lambda: torch.zeros(tokens, k, dtype=y.dtype, device="cuda").index_add_(0, token_of_row, y), iters=iters), 5)
+    return fn, ref, 2 * m * k + tokens * topk * 4 + 2 * tokens * k  # y and the plan read, the tokens written
+
+
 def run_config(kernel, shape, extra, seed, iters):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pow2 = extra.get("pow2", False)
     row = {"kernel": KERNEL_LABEL.get(kernel, kernel), "op": kernel, "shape": "x".join(map(str, shape)), "dtype": "bfloat16", "pow2": pow2}
-    if kernel == "quantize_1x128":
+    if kernel in ("gather_quantize_1x128_and_grouped_128x1", "combine_rows"):
+        fn, ref, nbytes = _permutation_config(kernel, shape, extra, gen, pow2, row, iters)
+    elif kernel == "quantize_1x128":
         m, k = shape
         x = _rows_with_spread(m, k, gen)
         fn = lambda: quantize_1x128(x, pow2, backend="cuda")  # noqa: E731
@@ -118,6 +167,8 @@ def run_config(kernel, shape, extra, seed, iters):
     row["bitexact"] = _same(fn(), ref())
     if "separate_ms" in row:
         row["speedup_vs_separate"] = round(row["separate_ms"] / ms, 3)
+    if "baseline_ms" in row:
+        row["speedup_vs_baseline"] = round(row["baseline_ms"] / ms, 3)
     target = TARGETS.get((kernel, row["shape"])) if not pow2 and extra.get("dist", "paper") == "paper" else None
     if target is not None:
         row["target_tbps"] = target
@@ -154,8 +205,14 @@ def main():
     print(f"wrote {path}")
 
 
+def _groups(r):
+    if "topk" in r:
+        return f"G{r['G']} top{r['topk']}"
+    return f"G{r['G']} {r['dist']}" if "G" in r else ""
+
+
 def _label(r):
-    extra = f" G{r['G']} {r['dist']}" if "G" in r else ""
+    extra = f" {_groups(r)}" if "G" in r else ""
     name = r["op"].replace("quantize_", "").replace("_and_", "+")
     return f"{name}\n{r['shape']}{extra}" + ("\npow2" if r["pow2"] else "")
 
@@ -169,7 +226,8 @@ def plot(rows, ceilings, png, out_dir):
     fig, ax = plt.subplots(figsize=(max(9, 0.8 * len(rows)), 5))
     xs = list(range(len(rows)))
     colors = {"quantize_1x128": "tab:blue", "quantize_128x128": "tab:orange", "quantize_grouped_128x1": "tab:green",
-              "quantize_1x128_and_grouped_128x1": "tab:purple"}
+              "quantize_1x128_and_grouped_128x1": "tab:purple", "gather_quantize_1x128_and_grouped_128x1": "tab:pink",
+              "combine_rows": "tab:gray"}
     ax.bar(xs, [r["tbps"] for r in rows], 0.6, color=[colors[r["op"]] for r in rows])
     for x, r in zip(xs, rows):
         if "target_tbps" in r:
@@ -188,9 +246,11 @@ def print_table(rows, ceilings, summary):
     print(f"{'kernel':<34} {'shape':<14} {'groups':<14} {'pow2':>5} {'ms':>9} {'TB/s':>6} {'xcopy':>6} {'target':>6} "
           f"{'exact':>6}  note")
     for r in rows:
-        grp = f"G{r['G']} {r['dist']}" if "G" in r else ""
+        grp = _groups(r)
         tgt = f"{r['target_tbps']:.1f}" if "target_tbps" in r else ""
         note = f"x{r['speedup_vs_separate']} vs two calls ({r['separate_ms']:.4f} ms)" if "separate_ms" in r else ""
+        if "baseline_ms" in r:
+            note = f"x{r['speedup_vs_baseline']} vs {r['baseline']} ({r['baseline_ms']:.4f} ms)"
         print(f"{r['kernel']:<34} {r['shape']:<14} {grp:<14} {str(r['pow2']):>5} {r['ms']:9.4f} {r['tbps']:6.3f} "
               f"{r['copy_ratio']:6.3f} {tgt:>6} {str(r['bitexact']):>6}  {note}")
     print("summary:", summary)
