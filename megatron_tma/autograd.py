@@ -333,12 +333,11 @@ class _FP8GroupedLinear(torch.autograd.Function):
         need_dx = ctx.needs_input_grad[_X]
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
-        if need_dw and rows is not None:  # the permutation fused into the read of the routed tokens
-            xq, xs, xt, xt_s = quant.run_gather_1x128_and_grouped_128x1(x, rows, groups, pow2, backend)
-            y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
-            del xq, xs
-        elif need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
-            xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
+        if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
+            if rows is None:
+                xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
+            else:  # the permutation fused into the read of the routed tokens
+                xq, xs, xt, xt_s = quant.run_gather_1x128_and_grouped_128x1(x, rows, groups, pow2, backend)
             y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
             del xq, xs
         else:

@@ -199,9 +199,7 @@ def run_gather_1x128_and_grouped_128x1(x: torch.Tensor, rows: torch.Tensor, grou
     `[0, x.shape[0])`; groups describe the M gathered rows), the gather fused into the kernel's read: the same
     bytes, and the gathered BF16 rows are never written (megatron_tma.permutation)."""
     if _ext.use_cuda(backend, x.device):
-        q, s, qt, s_t = _ext.op("gather_quantize_1x128_and_grouped_128x1")(x, rows, groups.tensor,
-                                                                          groups.num_groups, pow2)
-        return q, s, qt, s_t
+        return _ext.op("gather_quantize_1x128_and_grouped_128x1")(x, rows, groups.tensor, groups.num_groups, pow2)
     return run_1x128_and_grouped_128x1(x.index_select(0, rows), groups, pow2, backend)
 
 

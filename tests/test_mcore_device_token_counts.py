@@ -118,6 +118,18 @@ def _step(layer, x=None):
     return out.detach(), x.grad, grads, handed
 
 
+def _step_without_syncs(layer, x):
+    """`_step` after a warm-up one (first-call allocations and lazy initializations), under torch's sync debug mode
+    "error": any synchronizing call in the layer's forward or backward fails it."""
+    _step(layer, x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return _step(layer, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("mode", ["unpadded", "bf16"])
 @pytest.mark.parametrize("experts", [4, 1])
 def test_same_bits_without_the_host_copy_the_sync_or_the_sort(cuda_calls, sorts, monkeypatch, mode, experts):
@@ -215,13 +227,7 @@ def test_on_the_gpu_the_counts_stay_there_and_nothing_syncs(megatron_cpu, mode):
     megatrons = _step(layer, x)
     assert megatrons[3][0].device.type == "cpu"
     mcore.keep_token_counts_on_device(gpt)
-    _step(layer, x)  # warm-up: first-call allocations and lazy initializations
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ours = _step(layer, x)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    ours = _step_without_syncs(layer, x)
     assert ours[3][0].device.type == "cuda"
     assert torch.equal(ours[3][0].cpu(), megatrons[3][0])
     assert torch.equal(ours[0], megatrons[0]) and torch.equal(ours[1], megatrons[1])

@@ -2,6 +2,7 @@
 // kernel whose k loads are unrolled; any other k up to kCombineMaxRowsPerToken runs the generic loop.
 #include <climits>
 
+#include "megatron_tma/common/launch.h"
 #include "megatron_tma/host/combine_rows.h"
 #include "megatron_tma/kernels/combine_rows.cuh"
 
@@ -27,11 +28,9 @@ cudaError_t combine_rows_bf16(const void* y, int64_t y_rows, const int32_t* toke
   p.chunks = h / 8;
   p.y_rows = static_cast<int>(y_rows);
   p.k = static_cast<int>(k);
-  int dev = 0, sms = 0;
-  cudaError_t err;
-  if ((err = cudaGetDevice(&dev)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return err;
   // Grid-stride: enough CTAs to fill every SM several times over, never more than there are chunks.
+  const int sms = sm_count();
+  if (sms < 1) return cudaErrorInvalidDevice;  // the device query failed
   const int64_t blocks_needed = (tokens * p.chunks + kThreads - 1) / kThreads;
   const int64_t cap = int64_t(sms) * 8;
   const int grid = static_cast<int>(blocks_needed < cap ? blocks_needed : cap);

@@ -17,7 +17,7 @@ namespace megatron_tma {
 namespace combine {
 
 constexpr int kThreads = 256;
-constexpr int kMaxK = 32;  // rows per token (Megatron's top-k); the sum's loads are unrolled up to it
+constexpr int kMaxK = 32;  // the most rows per token (Megatron's top-k) accepted
 
 struct CombineParams {
   const uint16_t* y;       // bf16 [y_rows, h], 16-byte aligned rows
