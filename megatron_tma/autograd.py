@@ -484,7 +484,8 @@ def fp8_grouped_linear(
     layer's `FP8WeightCache` (None: quantize the weights on every call). pow2_scales: power-of-two (UE8M0) scales
     everywhere. Returns bf16 `[M, N]`. See the module docstring for where the weight gradients go.
     permutation: a `megatron_tma.permutation.Permutation`; x is then the routed tokens `[T, K]` in their own order,
-    the M rows are `x[permutation.rows]` (gathered by the quantizer, never copied in BF16) and x's gradient is
+    the M rows are `x[permutation.rows]` (gathered by the quantizer, never copied in BF16, when a weight wants a
+    gradient: the row + column quantizer runs then; otherwise an `index_select`) and x's gradient is
     their gradients combined per token (`megatron_tma.permutation.combine_rows`' sum).
     combine: a `Permutation` of the M rows; the output is then the tokens `[T, N]`, each the `combine_rows` sum of its
     rows, and backward gathers the tokens' gradient rows inside dY's quantizer (never a BF16 copy of them).

@@ -105,8 +105,6 @@ def run_combine_rows(y: torch.Tensor, token_rows: torch.Tensor, backend: str) ->
     return _combine_reference(y, token_rows)
 
 
-
-
 def check_permutation(permutation, num_rows: Optional[int], x: Optional[torch.Tensor], name: str = "permutation",
                       device: Optional[torch.device] = None) -> Permutation:
     """The checks of a `Permutation` against its use: permuted rows (`num_rows` of them, if not None) of the tokens

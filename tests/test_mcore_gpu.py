@@ -49,6 +49,14 @@ def _recipe(tmp_path, *args, gpus=1):
     return path, result
 
 
+def _assert_same_bits(a, b, modes, context=""):
+    """`recipes/moe_gpt.py --same-bits A B`: the two results trained the same bits (every step's loss and grad norm,
+    every final parameter) in each of their `modes` shared modes."""
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", a, b]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("the same bits") == modes, (context, run.stdout + run.stderr)
+
+
 def test_recipe_with_overlapped_gradient_reduction(tmp_path):
     """Megatron DDP's overlap_grad_reduce: its hooks require a gradient per weight (the experts hand a dummy)."""
     _, result = _recipe(tmp_path, "--steps", "8", "--overlap-grad-reduce", "--modes", "unpadded", "padded16")
@@ -67,9 +75,7 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
                          ("full", ("--recompute-full",))):
         path, result = _recipe(tmp_path / name, *args, *option)
         assert result["summary"]["padded16"]["bitexact_params"], name
-        cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
-        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0 and run.stdout.count("the same bits") == 2, (name, run.stdout + run.stderr)
+        _assert_same_bits(plain, path, 2, name)
 
 
 def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
@@ -84,9 +90,7 @@ def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
         assert len(layers) == 2 and all(reason is None for reason in layers.values()), (mode, layers)
     megatrons = result["records"]["megatron"]["device_token_counts"].values()
     assert len(megatrons) == 2 and all("need the counts on the host" in r for r in megatrons)
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.count("the same bits") == 3, run.stdout + run.stderr
+    _assert_same_bits(plain, path, 3)
 
 
 def test_recipe_with_experts_permuting_their_tokens_trains_the_same_bits(tmp_path):
@@ -103,9 +107,7 @@ def test_recipe_with_experts_permuting_their_tokens_trains_the_same_bits(tmp_pat
     bf16 = result["records"]["bf16"]["device_token_counts"].values()
     assert len(bf16) == 2 and all("BF16 experts" in reason for reason in bf16), bf16
     assert result["summary"]["padded16"]["bitexact_params"]
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", plain, path]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.count("the same bits") == 3, run.stdout + run.stderr
+    _assert_same_bits(plain, path, 3)
 
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
@@ -225,9 +227,7 @@ def test_recipe_with_distributed_optimizer_and_overlapped_param_gather(tmp_path)
         row = r["summary"]["padded16"]
         assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
         assert all("eval_loss" in row for row in r["summary"].values())
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "moe_gpt.py"), "--same-bits", synced, overlapped]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.count("the same bits") == 2, run.stdout + run.stderr
+    _assert_same_bits(synced, overlapped, 2)
 
 
 def test_recipe_frees_each_modes_model_before_the_next(tmp_path):
