@@ -166,9 +166,28 @@ DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
 # --preset dsv3-like: a DeepSeek-V3-like MoE shrunk to one H200 at EP = 1 (fine-grained experts: 64 of FFN 640 at
 # hidden 2048, top-8, one shared expert of the same FFN), big enough that the experts are a real share of the step
 # and small enough that three modes of 300 steps run in one process within ten minutes. Any option overrides it.
+#
+# The model presets are real models' MoE layers at one GPU (EP = 1), as many layers as fit an 80 GB H100 under each
+# mode with Megatron's mixed-precision Adam (the experts' parameters, FP32 gradients and optimizer state are ~18 bytes
+# a parameter: ~11 GB a layer for qwen3-30b, ~25 GB for dsv3-rank), one sequence a micro-batch and gradient
+# accumulation over 4 micro-batches a step. The vocabulary stays the recipe's synthetic 4096: the data are drawn from
+# [vocab, vocab] tables, and with a handful of a model's layers its real head (152k / 129k entries) would be a share
+# of the step it is not in the whole model.
+# --preset qwen3-30b: Qwen3-30B-A3B's layer: hidden 2048, 32 query heads over 4 key/value groups of head dim 128 with
+# QK layer norm, 128 experts of FFN 768, top-8, no shared expert, sequence 4096 (the model has 48 such layers).
+# --preset dsv3-rank: one expert-parallel rank of DeepSeek-V3 (EP = 8 in the real run: 32 of its 256 experts):
+# hidden 7168, 32 experts of FFN 2048, top-8 over them, one shared expert of FFN 2048, sequence 4096. Its attention
+# is grouped-query attention standing in for Multi-head Latent Attention (Megatron's MLA needs TE's layers): 128
+# query heads of dim 128 as DeepSeek-V3's, 8 key/value groups.
 PRESETS = {"dsv3-like": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8, expert_ffn=640,
                              shared_expert_ffn=640, seq_len=2048, micro_batch_size=2, micro_batches=2, vocab=4096,
-                             lr=3e-4)}
+                             lr=3e-4),
+           "qwen3-30b": dict(layers=4, hidden=2048, heads=32, num_query_groups=4, kv_channels=128, qk_layernorm=True,
+                             experts=128, topk=8, expert_ffn=768, seq_len=4096, micro_batch_size=1, micro_batches=4,
+                             vocab=4096, lr=3e-4),
+           "dsv3-rank": dict(layers=2, hidden=7168, heads=128, num_query_groups=8, kv_channels=128,
+                             experts=32, topk=8, expert_ffn=2048, shared_expert_ffn=2048, seq_len=4096,
+                             micro_batch_size=1, micro_batches=4, vocab=4096, lr=3e-4)}
 RECOMPUTE_MODULES = ("moe_act", "moe", "core_attn", "layernorm", "mlp")
 # The CPU job (--cpu, recipes/moe_gpt_cpu.py): megatron_tma's modes on the reference backend, without Megatron, and
 # its default size (a few minutes on 2 cores; every size option overrides it as in the GPU job)
@@ -220,6 +239,13 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=None, metavar="GROUPS",
+                   help="Megatron-LM's option (with --group-query-attention there): grouped-query attention, the "
+                        "query heads sharing this many key/value heads (default: one per query head)")
+    p.add_argument("--kv-channels", type=int, default=None, metavar="DIM",
+                   help="Megatron-LM's option: the attention head dimension (default --hidden / --heads)")
+    p.add_argument("--qk-layernorm", action="store_true",
+                   help="Megatron-LM's option: a layer norm on each query and key head (Qwen3's attention)")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--expert-ffn", type=int, default=512)
@@ -382,11 +408,15 @@ def bad_sizes(args):
     for name in NON_NEGATIVE:
         if getattr(args, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}"
-    for name in ("ep", "kill_after_step", "ddp_bucket_size", "shared_expert_ffn"):
+    for name in ("ep", "kill_after_step", "ddp_bucket_size", "shared_expert_ffn", "num_query_groups", "kv_channels"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    if args.hidden % args.heads:
-        return f"--hidden {args.hidden} must be divisible by --heads {args.heads} (the attention heads split it)"
+    if args.kv_channels is None and args.hidden % args.heads:
+        return (f"--hidden {args.hidden} must be divisible by --heads {args.heads} (the attention heads split it), "
+                "or give the head dimension with --kv-channels")
+    if args.num_query_groups is not None and args.heads % args.num_query_groups:
+        return (f"--heads {args.heads} must be divisible by --num-query-groups {args.num_query_groups} (each "
+                "key/value group serves the same number of query heads)")
     if args.topk > args.experts:
         return f"--topk {args.topk} must be <= --experts {args.experts} (each token goes to topk distinct experts)"
     return None
@@ -401,7 +431,9 @@ NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "k
 
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
 ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None,
-                 "moe_permute_fusion": False, "permute_in_experts": False}
+                 "moe_permute_fusion": False, "permute_in_experts": False,
+                 # the model presets' attention options (issue 52)
+                 "num_query_groups": None, "kv_channels": None, "qk_layernorm": False}
 
 
 def training_args(args):
@@ -457,7 +489,9 @@ def model_settings(args):
     Never `moe_router_padding_for_quantization` (alias `moe_router_padding_for_fp8`): it would pad every expert's
     routed tokens for FP8 in Megatron's dispatcher, which megatron_tma's experts do not need (docs/megatron.md), and
     TEGroupedMLP pads its own tokens (Fp8Padding)."""
-    settings = dict(transformer_impl=args.transformer_impl, moe_shared_expert_intermediate_size=args.shared_expert_ffn)
+    settings = dict(transformer_impl=args.transformer_impl, moe_shared_expert_intermediate_size=args.shared_expert_ffn,
+                    num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                    qk_layernorm=args.qk_layernorm)
     if args.fp8_format:
         settings.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.moe_permute_fusion:
@@ -473,8 +507,9 @@ def base_layer_spec(args):
     """The layer spec Megatron-LM's `--transformer-impl` picks for the MoE model (Megatron's own experts in it)."""
     if args.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts,
-                                                                          moe_grouped_gemm=True)
-    return get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True)
+                                                                          moe_grouped_gemm=True,
+                                                                          qk_layernorm=args.qk_layernorm)
+    return get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True, qk_layernorm=args.qk_layernorm)
 
 
 def recompute_settings(args):
@@ -691,6 +726,20 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
+def device_busy_ms(profiler):
+    """The time the GPU was busy in a profiled window, in ms: the union of the device's activity intervals (kernels,
+    copies, sets; overlapping streams counted once). Over an unprofiled step's time it is the step's GPU-busy
+    fraction (a host-bound step leaves the GPU idle between launches); the profiler slows the host, not the kernels."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:  # microseconds
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e3
+
+
 def train(args, mode, rank, batches):
     """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
     weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
@@ -731,6 +780,7 @@ def train(args, mode, rank, batches):
         if profiler is not None:
             torch.cuda.synchronize()
             profiler.__exit__(None, None, None)
+            progress["gpu_busy"] = {"step": step, "busy_ms": device_busy_ms(profiler)}
             if rank == 0:  # where the GPU's time went, then the host's (a host-bound step waits on the latter)
                 averages = profiler.key_averages()
                 print(f"[{mode}] step {step} profile:\n" + averages.table(
@@ -1149,6 +1199,10 @@ def summarize(runs):
         if measured:
             row["experts_share_of_step"] = upper_median(measured)
             row["experts_ms_per_step"] = upper_median([m["experts_ms"] for m in run["experts_share"]])
+        busy = run.get("gpu_busy")
+        if busy and row["ms_per_step_median"]:  # over an unprofiled step (the profiler slows the host, not the GPU)
+            row["gpu_busy_ms"] = busy["busy_ms"]
+            row["gpu_busy_fraction"] = busy["busy_ms"] / row["ms_per_step_median"]
         if run.get("eval_loss") is not None:
             row["eval_loss"] = run["eval_loss"]
             row["eval_loss_requantized"] = run["eval_loss_requantized"]
@@ -1277,7 +1331,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
                                                  "peak_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted", "resumed_from_step",
-                                                 "experts_share", "optimizer_class", "device_token_counts")}
+                                                 "experts_share", "optimizer_class", "device_token_counts",
+                                                 "gpu_busy")}
                     for m, run in runs.items()},
     }
     save(result, args.out, stamp)

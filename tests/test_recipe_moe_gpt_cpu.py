@@ -495,6 +495,56 @@ def test_dsv3_like_preset_is_a_fine_grained_moe_and_options_override_it(recipe):
     assert recipe.bad_sizes(args) is None
 
 
+@pytest.mark.parametrize("preset, shape", [
+    # the real models' layers the presets stand for (issue 52): hidden, experts, FFN, top-k, heads, KV groups,
+    # head dim, sequence, shared expert
+    ("qwen3-30b", (2048, 128, 768, 8, 32, 4, 128, 4096, None)),
+    ("dsv3-rank", (7168, 32, 2048, 8, 128, 8, 128, 4096, 2048)),
+])
+def test_model_presets_are_the_real_models_layers_with_gradient_accumulation(recipe, preset, shape):
+    args = recipe.parse_args(["--preset", preset, *TE_FP8, "--modes", "unpadded", "te", "bf16"])
+    assert (args.hidden, args.experts, args.expert_ffn, args.topk, args.heads, args.num_query_groups,
+            args.kv_channels, args.seq_len, args.shared_expert_ffn) == shape
+    assert args.qk_layernorm == (preset == "qwen3-30b")  # Qwen3's attention normalizes each query and key head
+    assert args.micro_batches >= 4 and args.micro_batch_size == 1 and args.steps >= 300
+    assert recipe.bad_sizes(args) is None
+    settings = recipe.model_settings(args)  # what reaches Megatron's TransformerConfig
+    assert (settings["num_query_groups"], settings["kv_channels"], settings["qk_layernorm"]) == (
+        args.num_query_groups, args.kv_channels, args.qk_layernorm)
+    assert recipe.parse_args(["--preset", preset, "--layers", "1"]).layers == 1  # options override it
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "32", "--num-query-groups", "5"], "--heads 32 must be divisible by --num-query-groups 5"),
+    (["--hidden", "1024", "--heads", "24"], "or give the head dimension with --kv-channels"),
+    (["--kv-channels", "0"], "--kv-channels must be >= 1"),
+    (["--num-query-groups", "0"], "--num-query-groups must be >= 1"),
+])
+def test_attention_shape_refusals_are_one_line(recipe, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert recipe.bad_sizes(recipe.parse_args(["--hidden", "1024", "--heads", "24", "--kv-channels", "64"])) is None
+
+
+def test_device_busy_is_the_union_of_the_devices_intervals(recipe):
+    class Span:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+    class Event:
+        def __init__(self, start, end, device=torch.autograd.DeviceType.CUDA):
+            self.time_range, self.device_type = Span(start, end), device
+
+    class Profiler:  # overlapping streams counted once, host events and empty spans ignored; microseconds in, ms out
+        def events(self):
+            return [Event(0, 1000), Event(500, 1500), Event(3000, 3500), Event(0, 9000, torch.autograd.DeviceType.CPU),
+                    Event(4000, 4000), Event(3100, 3200)]
+
+    assert recipe.device_busy_ms(Profiler()) == 2.0
+
+
 def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_job, "te_import_error",
                         lambda: ModuleNotFoundError("No module named 'transformer_engine'"))
