@@ -182,7 +182,7 @@ DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
 PRESETS = {"dsv3-like": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8, expert_ffn=640,
                              shared_expert_ffn=640, seq_len=2048, micro_batch_size=2, micro_batches=2, vocab=4096,
                              lr=3e-4),
-           "qwen3-30b": dict(layers=4, hidden=2048, heads=32, num_query_groups=4, kv_channels=128, qk_layernorm=True,
+           "qwen3-30b": dict(layers=5, hidden=2048, heads=32, num_query_groups=4, kv_channels=128, qk_layernorm=True,
                              experts=128, topk=8, expert_ffn=768, seq_len=4096, micro_batch_size=1, micro_batches=4,
                              vocab=4096, lr=3e-4),
            "dsv3-rank": dict(layers=2, hidden=7168, heads=128, num_query_groups=8, kv_channels=128,
