@@ -49,7 +49,9 @@ them in TE's FP8 under Megatron's own FP8 context; mode `te` is Megatron's TEGro
 incumbent); our modes drop into the same TE model by the same switch. `--preset dsv3-like --modes unpadded te bf16`
 is the head-to-head (the result's `head_to_head`: tokens/s and peak-memory ratios, the last 100 steps' loss gap, the
 experts' share of the step from `--experts-share-steps`); the README's measured one adds `--micro-batch-size 8
---moe-permute-fusion --device-token-counts` (at the preset's size the step is host-bound). TE is optional: without it
+--moe-permute-fusion --permute-in-experts` (at the preset's size the step is host-bound). `--preset qwen3-30b` and
+`--preset dsv3-rank` are real models' layers (Qwen3-30B-A3B; one EP rank of DeepSeek-V3), their head-to-heads the same
+options without `--micro-batch-size`; `--profile-step` adds the step's GPU-busy fraction to the result. TE is optional: without it
 `--transformer-impl transformer_engine` stops with one line.
 `--cpu`: the CPU job, on one process without Megatron or a GPU (recipes/moe_gpt_cpu.py; its docstring lists what in
 megatron-core 0.19.2 assumes CUDA): a tiny MoE GPT in torch around megatron_tma's own experts on the reference
@@ -169,7 +171,8 @@ DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
 #
 # The model presets are real models' MoE layers at one GPU (EP = 1), as many layers as fit an 80 GB H100 under each
 # mode with Megatron's mixed-precision Adam (the experts' parameters, FP32 gradients and optimizer state are ~18 bytes
-# a parameter: ~11 GB a layer for qwen3-30b, ~25 GB for dsv3-rank), one sequence a micro-batch and gradient
+# a parameter: ~11 GB a layer for qwen3-30b, ~25 GB for dsv3-rank; measured peaks with TE's layers: 61-62 GiB at 5
+# layers, 69-70 GiB at 2, recipes/results/moe_gpt-te-*-20261206-*.json), one sequence a micro-batch and gradient
 # accumulation over 4 micro-batches a step. The vocabulary stays the recipe's synthetic 4096: the data are drawn from
 # [vocab, vocab] tables, and with a handful of a model's layers its real head (152k / 129k entries) would be a share
 # of the step it is not in the whole model.
