@@ -20,10 +20,9 @@ read (`entry.watch.written`); no host sync, no read of the weights. Nothing is r
 FP8 copy is cached (then for the rest of the process), so importing the package changes nothing in torch.
 
 What stays invisible: writes that bypass torch's dispatcher (a process-group backend object called directly,
-`torch.cuda.nccl`, a custom all-reduce kernel or another library's NCCL communicator), collectives issued inside
-`torch.inference_mode()` (the dispatcher skips ADInplaceOrView there), and torch builds whose c10d ops already have
-an ADInplaceOrView kernel (registering ours would replace it: then none is registered). After such a write call the
-layer's `invalidate_weight_cache()` (or `FP8WeightCache.invalidate()`).
+`torch.cuda.nccl`, a custom all-reduce kernel or another library's NCCL communicator), and torch builds whose c10d
+ops already have an ADInplaceOrView kernel (registering ours would replace it: then none is registered). After such
+a write call the layer's `invalidate_weight_cache()` (or `FP8WeightCache.invalidate()`).
 """
 import threading
 import weakref
