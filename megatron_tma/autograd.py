@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _collective_writes, gemm, quant
 from . import permutation as _permutation
-from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16
+from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16, not_twice_differentiable
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
@@ -361,6 +361,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @not_twice_differentiable("fp8_grouped_linear")
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, token_rows, out_rows, *weights = ctx.saved_tensors
         dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,

@@ -127,19 +127,22 @@ def check_permutation(permutation, num_rows: Optional[int], x: Optional[torch.Te
     return permutation
 
 
+# The gather and the combine are each other's adjoints, and each backward is the other Function itself: so gradients
+# through them are differentiable again (create_graph=True, gradient penalties), on the CUDA kernels too, with the
+# same bits as before (the same ops run).
 class _GatherRows(torch.autograd.Function):
     """x[rows]; backward: the rows' gradients combined per token (the same sum as `combine_rows`)."""
 
     @staticmethod
     def forward(ctx, x, rows, token_rows, backend):
-        ctx.save_for_backward(token_rows)
+        ctx.save_for_backward(rows, token_rows)
         ctx.backend = backend
         return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (token_rows,) = ctx.saved_tensors
-        return run_combine_rows(grad.contiguous(), token_rows, ctx.backend), None, None, None
+        rows, token_rows = ctx.saved_tensors
+        return _CombineRows.apply(grad, rows, token_rows, ctx.backend), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -147,13 +150,14 @@ class _CombineRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, rows, token_rows, backend):
-        ctx.save_for_backward(rows)
+        ctx.save_for_backward(rows, token_rows)
+        ctx.backend = backend
         return run_combine_rows(y.contiguous(), token_rows, backend)
 
     @staticmethod
     def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        return grad.index_select(0, rows), None, None, None
+        rows, token_rows = ctx.saved_tensors
+        return _GatherRows.apply(grad, rows, token_rows, ctx.backend), None, None, None
 
 
 def gather_rows(x: torch.Tensor, permutation: Permutation, *, backend: str = "auto") -> torch.Tensor:
