@@ -52,7 +52,7 @@ __all__ = [
     "linear_forward",
 ]
 
-from ._ext import BACKENDS  # noqa: E402  (one list of backends)
+from ._ext import check_backend  # noqa: E402  (one check of the backend for every entry)
 WEIGHT_DTYPES = (torch.bfloat16,)
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -451,8 +451,7 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, po
     tuple and the checked groups, which every quantizer and GEMM of the call (forward and backward) then takes as
     they are. A caller that computes the input itself passes a stand-in of its shape as x (`x_name` names it, and
     `x_contiguous=False` lets it be a view)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    check_backend(backend)
     if not isinstance(pow2_scales, bool):
         raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
     weights = _as_weights(weight)
