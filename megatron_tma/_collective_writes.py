@@ -110,7 +110,13 @@ def mark_written(tensors) -> None:
             if isinstance(t, (list, tuple)):
                 mark_written(t)
             continue
-        watched = _ranges.get(_storage_key(t))
+        if _is_fake(t):  # traced under FakeTensorMode (torch.compile): no memory, nothing written
+            continue
+        try:
+            key = _storage_key(t)
+        except RuntimeError:  # a tensor without storage (a wrapper subclass): it holds no cached weight
+            continue
+        watched = _ranges.get(key)
         if watched is None:  # activations and buffers that hold no cached weight: the hot case
             continue
         start, end = _byte_range(t)
@@ -119,6 +125,12 @@ def mark_written(tensors) -> None:
                 w = ref()
                 if w is not None:
                     w.written = True
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and is_fake(t)
 
 
 def _kernel(op):

@@ -191,3 +191,17 @@ def test_a_dropped_entry_leaves_the_registry(gen, world_of_one):
     cache.invalidate()
     gc.collect()
     assert key not in _collective_writes._ranges
+
+
+@pytest.mark.filterwarnings("error")
+def test_collectives_on_fake_tensors_read_no_pointer(gen, world_of_one):
+    """A collective under FakeTensorMode (torch.compile's tracing) has no memory to write: the hook skips its fake
+    tensors instead of reading their data pointers (torch warns about that, and will refuse it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w = _weights(gen)
+    cache = FP8WeightCache()
+    first = cache.get([w], backend="reference")  # (something watched: the hook looks at every written tensor)
+    with FakeTensorMode():
+        dist.all_reduce(torch.empty(4))
+    assert cache.get([w], backend="reference") is first
