@@ -130,6 +130,7 @@ def test_a_collective_on_the_weights_makes_the_next_get_quantize(gen, world_of_o
     assert cache.get([w], backend="reference") is second  # and it is cached again
 
 
+@pytest.mark.filterwarnings("ignore:`torch.distributed.all_gather_into_tensor` is deprecated")  # (torch >= 2.13)
 def test_collectives_on_other_memory_keep_the_copies(gen, world_of_one):
     """Micro-batches 2..N: collectives on activations (all-to-alls, all-reduces of outputs) re-quantize nothing."""
     w = _weights(gen)
