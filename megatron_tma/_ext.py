@@ -71,6 +71,13 @@ def ops():
 BACKENDS = ("auto", "cuda", "reference")
 
 
+def check_backend(backend) -> None:
+    """ValueError unless `backend` is one of BACKENDS: every public entry calls it first, so that a wrong value is
+    refused at the call, not when some later op (a backward, the first non-empty input) resolves it."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels_on(device: torch.device) -> bool:
     return device.type == "cuda" and cuda_kernels_available(device)
@@ -88,7 +95,7 @@ def use_cuda(backend: str, device: torch.device) -> bool:
     if backend == "reference":
         return False
     if backend != "auto" and backend != "cuda":
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        check_backend(backend)
     ok = _kernels_on(device)
     if backend == "cuda" and not ok:
         if device.type != "cuda":

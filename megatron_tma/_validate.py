@@ -1,4 +1,5 @@
 """Argument checks shared by the Python API: one wording for every error the user can hit."""
+import functools
 from typing import Iterable, Optional
 
 import torch
@@ -85,3 +86,24 @@ def check_int(value, name: str, minimum: Optional[int] = None) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def not_twice_differentiable(what: str):
+    """Decorator for an autograd Function's backward that has no double backward (FP8 GEMMs on quantized copies, CUDA
+    kernels): refuse a backward under `create_graph=True` (the engine runs backward with grad mode on exactly then)
+    with one line, before any work. `torch.autograd.function.once_differentiable` is not enough: it errs only at a
+    second backward that reaches it, and only if the incoming gradient requires grad; otherwise (`loss = y.sum()`) the
+    gradient comes back detached and a penalty built on it silently contributes nothing."""
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{what} is not twice differentiable: its backward builds no graph, so a backward "
+                                   "with create_graph=True through it (torch.autograd.grad(..., create_graph=True), "
+                                   "e.g. for a gradient penalty) would return a detached gradient; it is refused")
+            return backward(ctx, *grads)
+
+        return run
+
+    return wrap

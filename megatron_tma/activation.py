@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import _ext
+from ._validate import not_twice_differentiable
 
 __all__ = ["ACTIVATIONS", "GATED", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
            "check_activation_args", "resolve_kernel"]
@@ -117,7 +117,7 @@ class _ActivationTimesProbs(torch.autograd.Function):
         return act_times_probs_forward(h, probs, activation, use_kernel)
 
     @staticmethod
-    @once_differentiable  # the kernel path has no double backward; say so instead of differentiating casts
+    @not_twice_differentiable("activation_times_probs")  # the kernel path has no double backward
     def backward(ctx, dz):
         h, probs = ctx.saved_tensors
         dh, dprobs = act_times_probs_backward(dz, h, probs, ctx.activation, ctx.use_kernel,

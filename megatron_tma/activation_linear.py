@@ -16,10 +16,9 @@ stays the oracle.
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import quant
-from ._validate import check_same_device
+from ._validate import check_same_device, not_twice_differentiable
 from .activation import (GATED, act_times_probs_backward, act_times_probs_forward, check_activation_args,
                          resolve_kernel)
 from .autograd import FP8WeightCache, Weights, check_linear_args, linear_backward, linear_forward, quantized_weights
@@ -49,7 +48,7 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @not_twice_differentiable("fp8_activation_grouped_linear")
     def backward(ctx, dy):
         h, probs, groups, qt, st, *weights = ctx.saved_tensors
         groups = Groups(groups, *ctx.groups_meta)

@@ -33,9 +33,9 @@ from typing import NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import gemm, quant
+from . import _collective_writes, gemm, quant
 from . import permutation as _permutation
-from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16
+from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16, not_twice_differentiable
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
@@ -52,7 +52,7 @@ __all__ = [
     "linear_forward",
 ]
 
-from ._ext import BACKENDS  # noqa: E402  (one list of backends)
+from ._ext import check_backend  # noqa: E402  (one check of the backend for every entry)
 WEIGHT_DTYPES = (torch.bfloat16,)
 MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -210,6 +210,7 @@ class _CacheEntry(NamedTuple):
     key: tuple
     aliases: Tuple[torch.Tensor, ...]
     value: QuantizedWeights
+    watch: _collective_writes.WriteWatch  # set when an in-place collective writes the weights' memory
 
 
 class FP8WeightCache:
@@ -224,6 +225,12 @@ class FP8WeightCache:
     through `w.data` or through another tensor that shares the memory with no optimizer step since the last `get`
     (a manual `w.data.add_()`): after such an update call `invalidate()`; `megatron_tma.mlp`'s modules do so
     whenever Megatron sets their `is_first_microbatch` flag, as it does for Transformer Engine's modules.
+
+    In-place collectives (`dist.broadcast(p, 0)`, `dist.all_reduce(p)`, Megatron's parameter all-gathers, DDP's
+    broadcast of the parameters) move neither: the entry watches the bytes of its weights, and any c10d collective
+    that writes one of them marks it written, so the next `get` quantizes again (megatron_tma._collective_writes:
+    host bookkeeping on the collective's side, one attribute read here; writes that bypass torch's dispatcher still
+    need `invalidate()`).
 
     The entry holds a detached alias of every weight, so that while it lives the memory of a replaced weight
     cannot be handed to a new tensor that would then match the old pointer and version. Under CUDA-graph capture
@@ -274,18 +281,22 @@ class FP8WeightCache:
                tuple(w._version for w in weights), _optimizer_step_stamp)
         entry = self._entry  # the one read of the shared state: another thread may replace it from here on
         # (the aliases at the key's pointers: the entry holds that memory, so no other tensor can lie there)
-        if entry is not None and entry.key == key and all(a.data_ptr() == p for a, p in zip(entry.aliases, key[4])):
+        if (entry is not None and entry.key == key and not entry.watch.written
+                and all(a.data_ptr() == p for a, p in zip(entry.aliases, key[4]))):
             return entry.value
         del entry
         self._entry = None  # free the stale copies before making new ones: one copy at a time at the peak
         # never inference tensors in the cache: a training forward after an eval under inference_mode reuses them
         with torch.inference_mode(False):
             stacked, is_view = _checked_stack(tuple(weights))
-            value = _quantize_stacked(stacked, pow2, backend)
             # A view of the weights' own storage keeps all of their memory alive with one alias (G detaches
             # cost ~0.4 us each on every miss); a stacked copy does not, so then every weight is aliased.
             aliases = (stacked,) if is_view else tuple(w.detach() for w in weights)
-        self._entry = _CacheEntry(key, aliases, value)
+            # Watched before they are read: a collective that writes them from here on (another thread) marks
+            # the entry written (module docstring of _collective_writes).
+            watch = _collective_writes.watch(aliases)
+            value = _quantize_stacked(stacked, pow2, backend)
+        self._entry = _CacheEntry(key, aliases, value, watch)
         return value
 
     # The snapshot's parts, read-only (tests and tools look at them).
@@ -350,6 +361,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @not_twice_differentiable("fp8_grouped_linear")
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, token_rows, out_rows, *weights = ctx.saved_tensors
         dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
@@ -439,8 +451,7 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, po
     tuple and the checked groups, which every quantizer and GEMM of the call (forward and backward) then takes as
     they are. A caller that computes the input itself passes a stand-in of its shape as x (`x_name` names it, and
     `x_contiguous=False` lets it be a view)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    check_backend(backend)
     if not isinstance(pow2_scales, bool):
         raise TypeError(f"pow2_scales must be a bool, got {type(pow2_scales).__name__}")
     weights = _as_weights(weight)

@@ -12,8 +12,8 @@ import torch
 
 from . import _ext
 from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device, check_tensor
-from .groups import (Groups, check_groups, check_wgrad_columns, check_wgrad_tokens, debug_checks_enabled, max_tiles,
-                     wgrad_pitch)
+from .groups import (Groups, check_groups, check_wgrad_columns, check_wgrad_tokens, debug_checks_enabled, groups_name,
+                     max_tiles, wgrad_pitch)
 from .limits import K_GROUPED_MAX_GROUPS, M_GROUPED_MAX_GROUPS, check_num_groups
 
 __all__ = ["m_grouped_fp8_gemm", "k_grouped_fp8_gemm", "run_m_grouped", "run_k_grouped"]
@@ -75,7 +75,7 @@ def _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_
                              f"{out.stride()}")
     device = check_same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales,
                                groups=groups.tensor if type(groups) is Groups else groups, out=out)
-    groups = check_groups(groups, g, m_total=m)
+    groups = check_groups(groups, g, m_total=m, name=groups_name(groups, g, "b"))
     # (with no rows nothing is read or written: the call returns before the kernel)
     if m > 0 and any_misaligned16(a, a_scales, b, out):
         for t, name in ((a, "a"), (a_scales, "a_scales"), (b, "b")):
@@ -108,6 +108,7 @@ def m_grouped_fp8_gemm(
     block_m=192 (with block_n 0 or 128) or block_m=128 (with block_n 0: 128 wide) force a tile; block_n 192 or
     256 give wider two-warpgroup tiles.
     """
+    _ext.check_backend(backend)  # (an empty `a` returns before the backend is resolved)
     groups, _, _, _ = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
     return run_m_grouped(a, a_scales, b, b_scales, groups, out, backend, block_n, block_m)
 
@@ -184,11 +185,15 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         )
     if out_dtype is not torch.float32 and out_dtype is not torch.bfloat16:
         raise TypeError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if not isinstance(accumulate, bool):  # ("no" would be truthy: accumulate into out)
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__} {accumulate!r}")
+    name = "groups"
     if out is not None:  # G comes from out, then num_groups, then the groups' length (sizes)
         check_tensor(out, "out", (torch.float32, torch.bfloat16), dim=3)
         if num_groups is not None and num_groups != out.shape[0]:
             raise ValueError(f"out holds G={out.shape[0]} groups but num_groups={num_groups}")
         num_groups = out.shape[0]
+        name = groups_name(groups, num_groups, "out")
         if accumulate and out.dtype is not torch.float32:
             raise TypeError("accumulate=True needs an FP32 out (D = C + A.B in FP32)")
     elif accumulate:
@@ -197,7 +202,7 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
                                groups=groups.tensor if type(groups) is Groups else groups, out=out)
     # M_total: the caller's m_total (then the sizes must sum to it, as m_grouped_fp8_gemm's to its rows), else what
     # P and MB tell of it (the host check below: the sizes must be those the operands were quantized with).
-    groups = check_groups(groups, num_groups, m_total=m_total, name="groups")
+    groups = check_groups(groups, num_groups, m_total=m_total, name=name)
     g = groups.num_groups
     if m_total is not None and (p, mb) != (wgrad_pitch(m_total, g), max_tiles(m_total, g, 128)):
         raise ValueError(f"dy_t and x_t must be quantize_grouped_128x1's operands of m_total={m_total} tokens in {g} "
@@ -220,8 +225,8 @@ def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_g
         check_aligned16(x_t, "x_t", "TMA loads it")
     if groups.tensor.device.type == "cpu" or debug_checks_enabled():  # free on the CPU; a sync otherwise
         host = groups.tensor.detach().cpu()  # one read for both rules
-        check_wgrad_columns(host, groups.is_offsets, p, mb)
-        check_wgrad_tokens(host, groups.is_offsets, p, mb)
+        check_wgrad_columns(host, groups.is_offsets, p, mb, name=name)
+        check_wgrad_tokens(host, groups.is_offsets, p, mb, name=name)
     return groups, device, n, k
 
 
@@ -261,6 +266,7 @@ def k_grouped_fp8_gemm(
     (`k_grouped_tile(N, K, G, out_dtype)`: a wave model on N, K, G alone, no sync), 128, or 192 (three math
     warpgroups; 128 where the groups do not fit its shared memory).
     """
+    _ext.check_backend(backend)
     if block_m not in (0, 128, 192):
         raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
     groups, _, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate,

@@ -35,7 +35,12 @@ DISTRIBUTIONS = ("paper", "skewed", "balanced", "one_group", "with_empty")
 DEBUG_ENV = "MEGATRON_TMA_DEBUG_CHECKS"
 
 def _env_debug_checks() -> bool:
-    return os.environ.get(DEBUG_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """$MEGATRON_TMA_DEBUG_CHECKS: "1" on, "0" / empty / unset off. Anything else is refused: a typo ("2", "true",
+    "on") must not silently leave the checks off while the user believes them on."""
+    value = os.environ.get(DEBUG_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{DEBUG_ENV} must be 1 (debug checks on) or 0 / empty / unset (off), got {value!r}")
+    return value == "1"
 
 
 # Read once (every GEMM call asks; host time per call matters); set_debug_checks(None) re-reads it.
@@ -88,6 +93,17 @@ def _holds_offsets(groups: torch.Tensor, num_groups: Optional[int], name: str) -
     if length == num_groups + 1:
         return True
     raise ValueError(f"{name} has {length} entries: expected G sizes or G+1 offsets with G={num_groups}")
+
+
+def groups_name(groups, num_groups: int, source: str, name: str = "groups") -> str:
+    """`name` for the errors of a group tensor whose G another operand fixed (`source`, e.g. "out"): a tensor of G+1
+    entries is then read as offsets, so a size too many (sizes for another G) fails as "offsets must start at 0"
+    unless the error says why they were read as offsets. Metadata only."""
+    if type(groups) is Groups or not isinstance(groups, torch.Tensor) or groups.dim() != 1:
+        return name
+    if groups.numel() == num_groups + 1:
+        return f"{name} ({groups.numel()} entries, read as offsets [G+1] since {source} holds G={num_groups} groups)"
+    return f"{name} ({source} holds G={num_groups} groups)"
 
 
 class Groups(NamedTuple):

@@ -60,7 +60,7 @@ from . import _ext
 from ._validate import check_int, check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
-from .autograd import BACKENDS, FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
+from .autograd import FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
 from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
@@ -262,8 +262,7 @@ class GroupedFP8Linear(_GroupedWeights):
             )
         super().__init__(num_groups, in_features, out_features, weight_layout=weight_layout, device=device,
                          init_method=init_method)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        _ext.check_backend(backend)
         self.backend, self.pow2_scales = backend, pow2_scales
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
@@ -328,8 +327,7 @@ class _GroupedMLP(nn.Module):
         check_int(num_experts, "num_experts", 1)
         check_int(hidden_size, "hidden_size", 1)
         check_int(ffn_hidden_size, "ffn_hidden_size", 1)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+        _ext.check_backend(backend)
         self.backend = backend  # of the activation kernel (and, in GroupedFP8MLP, of the FP8 linears)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")

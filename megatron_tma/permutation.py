@@ -25,16 +25,19 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from . import _ext
-from ._validate import check_tensor
+from ._validate import check_aligned16, check_tensor, misalignment16
+from .groups import debug_checks_enabled
 
-__all__ = ["Permutation", "permutation_from_routing_map", "check_permutation", "combine_rows", "gather_rows",
-           "COMBINE_MAX_ROWS_PER_TOKEN"]
+__all__ = ["Permutation", "permutation_from_routing_map", "check_permutation", "check_permutation_values",
+           "combine_rows", "gather_rows", "COMBINE_MAX_ROWS_PER_TOKEN"]
 
 COMBINE_MAX_ROWS_PER_TOKEN = 32  # kCombineMaxRowsPerToken in csrc/include/megatron_tma/host/combine_rows.h
 
 
 class Permutation(NamedTuple):
-    """Where each permuted row comes from and where it goes back to. Device tensors, never read on the host."""
+    """Where each permuted row comes from and where it goes back to: `rows[token_rows[t, j]] == t` for every token t,
+    each of the T k rows named once in `token_rows`. Checked where the values are free to read (CPU tensors) or
+    with the debug checks on (`check_permutation`); device tensors are otherwise never read on the host."""
 
     rows: torch.Tensor  # int32 [T k]: the token of permuted row r (rows grouped by expert)
     token_rows: torch.Tensor  # int32 [T, k]: the permuted rows of token t, in ascending order (its experts')
@@ -84,13 +87,25 @@ def _combine_reference(y: torch.Tensor, token_rows: torch.Tensor) -> torch.Tenso
     return acc.to(torch.bfloat16)
 
 
+def _check_row_operand(t, name: str, op: str) -> None:
+    """The rules of a gather's input and a combine's input, on every backend and before any work (the GPU's rules:
+    csrc/binding/combine_rows.cpp): BF16 `[rows, H]` with H % 8 == 0, since the combine (gather_rows' backward,
+    combine_rows' forward) adds BF16 rows read as 16-byte vectors and rounds its sum to BF16. An FP32 input would get
+    a gradient rounded to BF16 (on the CPU, silently) or fail in backward (on the GPU)."""
+    check_tensor(t, name, (torch.bfloat16,), dim=2, contiguous=False)
+    if t.shape[1] % 8:
+        raise ValueError(f"the last dim of {name} must be a multiple of 8 (the combine reads 16-byte rows; {op}), got "
+                         f"{t.shape[1]}")
+
+
 def _check_combine_args(y: torch.Tensor, token_rows: torch.Tensor) -> None:
-    check_tensor(y, "y", (torch.bfloat16,), dim=2)
+    _check_row_operand(y, "y", "combine_rows")
+    check_tensor(y, "y", contiguous=True)
+    if y.numel():
+        check_aligned16(y, "y", "the combine kernel reads its rows as 16-byte vectors")
     check_tensor(token_rows, "token_rows", (torch.int32,), dim=2)
     if token_rows.device != y.device:
         raise ValueError(f"token_rows must be on y's device {y.device}, got {token_rows.device}")
-    if y.shape[1] % 8:
-        raise ValueError(f"the last dim of y must be a multiple of 8 (16-byte rows), got {y.shape[1]}")
     k = token_rows.shape[1]
     if not 1 <= k <= COMBINE_MAX_ROWS_PER_TOKEN:
         raise ValueError(f"token_rows must have 1..{COMBINE_MAX_ROWS_PER_TOKEN} rows per token, got {k}")
@@ -124,22 +139,64 @@ def check_permutation(permutation, num_rows: Optional[int], x: Optional[torch.Te
                          f"token_rows {list(permutation.token_rows.shape)} and {permutation.rows.shape[0]} rows")
     if not 1 <= k <= COMBINE_MAX_ROWS_PER_TOKEN:
         raise ValueError(f"{name} must have 1..{COMBINE_MAX_ROWS_PER_TOKEN} rows per token, got {k}")
+    # The values, where they are on the host (free), or under the debug checks (a host sync): the CUDA kernels clamp
+    # an index out of range and would read a wrong row, and rows that disagree with token_rows give an input gradient
+    # that is not the forward's. Device tensors are otherwise never read (no sync on the hot path).
+    if permutation.rows.device.type == "cpu" or debug_checks_enabled():
+        check_permutation_values(permutation, name)
     return permutation
 
 
+def check_permutation_values(permutation: Permutation, name: str = "permutation") -> None:
+    """The values of a `Permutation` whose shapes passed `check_permutation`: every `rows` entry a token in [0, T),
+    every `token_rows` entry a permuted row in [0, T k), each row named once, and `rows[token_rows[t, j]] == t`.
+    ValueError naming `rows` / `token_rows`, the entry and the range. READS THEM ON THE HOST (a sync for device
+    tensors)."""
+    rows = permutation.rows.detach().cpu().long()
+    token_rows = permutation.token_rows.detach().cpu().long()
+    t, k = token_rows.shape
+    n = rows.numel()
+    bad = ((rows < 0) | (rows >= t)).nonzero()
+    if bad.numel():
+        i = bad[0, 0].item()
+        raise ValueError(f"{name}.rows must hold token indices in [0, {t}) (T = {t} tokens), got rows[{i}]="
+                         f"{rows[i].item()}")
+    flat = token_rows.reshape(-1)
+    bad = ((flat < 0) | (flat >= n)).nonzero()
+    if bad.numel():
+        i = bad[0, 0].item()
+        raise ValueError(f"{name}.token_rows must hold permuted-row indices in [0, {n}) (T k = {n} rows), got "
+                         f"token_rows[{i // k}, {i % k}]={flat[i].item()}")
+    owner = rows[flat]  # the token each named row comes from
+    bad = (owner != torch.arange(t).repeat_interleave(k)).nonzero()
+    if bad.numel():
+        i = bad[0, 0].item()
+        raise ValueError(f"{name}.rows and {name}.token_rows disagree: token_rows[{i // k}, {i % k}]={flat[i].item()} "
+                         f"names a row of token {i // k}, but rows[{flat[i].item()}]={owner[i].item()}")
+    counts = torch.bincount(flat, minlength=n)
+    bad = (counts != 1).nonzero()
+    if bad.numel():
+        r = bad[0, 0].item()
+        raise ValueError(f"{name}.token_rows must name each of the {n} permuted rows in [0, {n}) once, got row {r} "
+                         f"{counts[r].item()} times")
+
+
+# The gather and the combine are each other's adjoints, and each backward is the other Function itself: so gradients
+# through them are differentiable again (create_graph=True, gradient penalties), on the CUDA kernels too, with the
+# same bits as before (the same ops run).
 class _GatherRows(torch.autograd.Function):
     """x[rows]; backward: the rows' gradients combined per token (the same sum as `combine_rows`)."""
 
     @staticmethod
     def forward(ctx, x, rows, token_rows, backend):
-        ctx.save_for_backward(token_rows)
+        ctx.save_for_backward(rows, token_rows)
         ctx.backend = backend
         return x.index_select(0, rows)
 
     @staticmethod
     def backward(ctx, grad):
-        (token_rows,) = ctx.saved_tensors
-        return run_combine_rows(grad.contiguous(), token_rows, ctx.backend), None, None, None
+        rows, token_rows = ctx.saved_tensors
+        return _CombineRows.apply(grad, rows, token_rows, ctx.backend), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -147,27 +204,35 @@ class _CombineRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, rows, token_rows, backend):
-        ctx.save_for_backward(rows)
-        return run_combine_rows(y.contiguous(), token_rows, backend)
+        ctx.save_for_backward(rows, token_rows)
+        ctx.backend = backend
+        y = y.contiguous()
+        if misalignment16(y):  # (a gradient autograd hands gather_rows' backward may be a view at any offset)
+            y = y.clone()
+        return run_combine_rows(y, token_rows, backend)
 
     @staticmethod
     def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        return grad.index_select(0, rows), None, None, None
+        rows, token_rows = ctx.saved_tensors
+        return _GatherRows.apply(grad, rows, token_rows, ctx.backend), None, None, None
 
 
 def gather_rows(x: torch.Tensor, permutation: Permutation, *, backend: str = "auto") -> torch.Tensor:
-    """The permuted rows `x[permutation.rows]` (bf16 `[T k, H]`), differentiable: the gradient of x is the rows'
-    gradients combined per token (`combine_rows`' sum)."""
+    """The permuted rows `x[permutation.rows]` (x bf16 `[T, H]`, H % 8 == 0; returns bf16 `[T k, H]`),
+    differentiable: the gradient of x is the rows' gradients combined per token (`combine_rows`' sum)."""
+    _ext.check_backend(backend)
+    _check_row_operand(x, "x", "gather_rows' backward")
     check_permutation(permutation, None, x)
     return _GatherRows.apply(x, permutation.rows, permutation.token_rows, backend)
 
 
 def combine_rows(y: torch.Tensor, permutation: Permutation, *, backend: str = "auto") -> torch.Tensor:
-    """The tokens `[T, H]` from their permuted rows y (bf16 `[T k, H]`, H % 8 == 0): each token's k rows added
-    in FP32 in ascending row order, rounded once (module docstring). Differentiable: y's gradient is the gather
-    of the tokens' gradient."""
-    _check_combine_args(y, permutation.token_rows)
+    """The tokens `[T, H]` from their permuted rows y (bf16 `[T k, H]`, contiguous, 16-byte aligned, H % 8 == 0):
+    each token's k rows added in FP32 in ascending row order, rounded once (module docstring). Differentiable: y's
+    gradient is the gather of the tokens' gradient."""
+    _ext.check_backend(backend)
+    check_tensor(y, "y", contiguous=False)  # (a tensor before its device is read)
+    _check_combine_args(y, check_permutation(permutation, None, None, device=y.device).token_rows)
     if y.shape[0] != permutation.rows.shape[0]:
         raise ValueError(f"y must have the permutation's {permutation.rows.shape[0]} rows, got {y.shape[0]}")
     return _CombineRows.apply(y, permutation.rows, permutation.token_rows, backend)

@@ -70,9 +70,10 @@ def test_errors(gen):
 
 
 def test_no_double_backward(gen):
+    """A backward with create_graph=True is refused at once (issue 55 item 2): before, the gradient came back
+    detached when dz did not require grad, and a penalty built on it contributed nothing."""
     h, p, dz = inputs(3, 16, "gelu", gen)
     h.requires_grad_()
     z = activation_times_probs(h, p, "gelu")
-    (g,) = torch.autograd.grad(z, h, dz, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|double backward"):
-        g.sum().backward()
+    with pytest.raises(RuntimeError, match="activation_times_probs is not twice differentiable"):
+        torch.autograd.grad(z, h, dz, create_graph=True)

@@ -5,7 +5,9 @@ reference backend (the padded twins and the recomputed activation too)."""
 import pytest
 import torch
 from _dists import random_rows
-from _permutation_steps import assert_same_steps, mlp_step, routing
+from _permutation_steps import (ENTRIES, MALFORMED, ROW_RULES, assert_same_steps,
+                                check_gather_gradient_from_a_misaligned_view, check_malformed_permutation_is_refused,
+                                check_row_rule, mlp_step, routing)
 
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 from megatron_tma.permutation import (Permutation, check_permutation, combine_rows, gather_rows,
@@ -134,3 +136,40 @@ def test_twins_equal_with_permutation(gen):
                                 permuted_probs, perm, dout, fused=True))
     for other in results[1:]:
         assert_same_steps(other, results[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 55 items 3 and 4: a malformed Permutation, and the GPU's rules for gather_rows / combine_rows on the CPU
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_malformed_permutation_is_refused_in_one_line(entry, case, gen):
+    """Before: an index out of range ended in torch's "index out of range in self" on the CPU (the CUDA kernels
+    clamp it), and rows that disagree with token_rows were taken (the input gradient then not the forward's)."""
+    check_malformed_permutation_is_refused(entry, case, gen)
+
+
+def test_permutation_values_are_not_read_off_the_host(gen):
+    """Device tensors are read only under the debug checks: meta tensors (no data to read) pass the shape checks with
+    the checks off and fail the read with them on."""
+    from megatron_tma.groups import set_debug_checks
+
+    perm = Permutation(torch.empty(20, dtype=torch.int32, device="meta"),
+                       torch.empty(10, 2, dtype=torch.int32, device="meta"))
+    check_permutation(perm, 20, None, device=torch.device("meta"))
+    set_debug_checks(True)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - whatever torch raises for reading a meta tensor
+            check_permutation(perm, 20, None, device=torch.device("meta"))
+    finally:
+        set_debug_checks(None)
+
+
+@pytest.mark.parametrize("case", sorted(ROW_RULES))
+def test_gather_and_combine_apply_the_gpu_rules_on_the_cpu(case, gen):
+    check_row_rule(case, gen)
+
+
+def test_gather_gradient_from_a_misaligned_view_is_combined(gen):
+    check_gather_gradient_from_a_misaligned_view(gen)

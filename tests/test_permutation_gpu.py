@@ -5,7 +5,9 @@ padded twins, values and gradients. Skipped without a Hopper GPU + extension."""
 import pytest
 import torch
 from _dists import EDGE_GROUPINGS, random_rows
-from _permutation_steps import assert_same_steps, mlp_step, routing
+from _permutation_steps import (ENTRIES, MALFORMED, ROW_RULES, assert_same_steps,
+                                check_gather_gradient_from_a_misaligned_view, check_malformed_permutation_is_refused,
+                                check_row_rule, mlp_step, permutation_entries, routing, valid_permutation)
 
 from megatron_tma import _ext
 from megatron_tma.groups import check_groups
@@ -79,3 +81,40 @@ def test_mlp_with_permutation_bits(tokens, experts, topk, hidden, ffn, gen):
     for name, got in results.items():
         assert_same_steps(got, results["unpadded"], name)
     assert torch.isfinite(results["unpadded"]["out"].float()).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Issue 55 items 3 and 4: the CPU's errors on the GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_malformed_permutation_is_refused_under_the_debug_checks(entry, case, gen, debug_checks):
+    """Under the debug checks the device plan is read (a sync) and refused with the CPU's error; before, the kernels
+    clamped an index out of range and read a wrong row, and a plan whose rows disagree was taken."""
+    check_malformed_permutation_is_refused(entry, case, gen, DEV, "cuda")
+
+
+def test_a_valid_permutation_costs_no_sync_without_the_debug_checks(gen):
+    """Without the debug checks nothing reads the plan on the host: every entry runs under CUDA's sync detector."""
+    perm, sizes = valid_permutation(gen, DEV)
+    entries = permutation_entries(gen, DEV, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for name in ("gather_rows", "combine_rows", "fp8_grouped_linear-permutation", "fp8_grouped_linear-combine"):
+            entries[name](perm, sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("case", sorted(ROW_RULES))
+def test_gather_and_combine_rules_are_the_cpus(case, gen):
+    """The same errors as on the CPU, from the Python check before the kernel (the binding's own is a backstop)."""
+    check_row_rule(case, gen, DEV, "cuda")
+
+
+def test_gather_gradient_from_a_misaligned_view_is_combined(gen):
+    """Before, the combine kernel refused the misaligned gradient view in backward."""
+    check_gather_gradient_from_a_misaligned_view(gen, DEV, "cuda")

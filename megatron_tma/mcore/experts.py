@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._ext import warn_if_reference_on_gpu
+from .._ext import check_backend, warn_if_reference_on_gpu
 from ..activation import GATED
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
 from .config import expert_mlp_args, expert_tensor_parallel_size, pad_to_of
@@ -357,6 +357,7 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
                      mode: str = "unpadded", backend: str = "auto"):
     """Megatron's experts builder signature (`MoESubmodules.experts`); `mode` picks the MLP (module docstring)."""
     del name
+    check_backend(backend)  # before warn_if_reference_on_gpu reads it
     pad_to = pad_to_of(mode)
     args = expert_mlp_args(config)
     device = "cpu" if getattr(config, "use_cpu_initialization", False) else torch.cuda.current_device()

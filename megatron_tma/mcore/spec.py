@@ -16,6 +16,7 @@ from typing import Optional
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from .._ext import check_backend
 from .config import CONFIG_FLAG, MODES, expert_mlp_args
 from .experts import megatron_experts
 
@@ -54,6 +55,7 @@ def use_megatron_tma_experts(spec, mode: Optional[str], backend: str = "auto"):
         return spec
     if mode not in MODES:
         raise ValueError(f"{CONFIG_FLAG} must be None or one of {', '.join(MODES)}, got {mode!r}")
+    check_backend(backend)  # here, not when Megatron builds the model from the spec
     experts = functools.partial(megatron_experts, mode=mode, backend=backend)
     if hasattr(spec, "layer_specs"):
         layers = [_swap_layer(s, experts) for s in spec.layer_specs]
@@ -119,6 +121,7 @@ def replace_experts(spec, mode: str, backend: str = "auto"):
     What `--moe-experts-impl` does to the specs Megatron-LM's GPT builder makes (`experts_impl`)."""
     if mode not in MODES:
         raise ValueError(f"experts mode must be one of {', '.join(MODES)}, got {mode!r}")
+    check_backend(backend)  # here, not when Megatron builds the model from the spec
     experts = functools.partial(megatron_experts, mode=mode, backend=backend)
     return _replace_in(spec, experts, mode, 0)
 
