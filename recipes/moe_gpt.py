@@ -104,6 +104,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_tma._ext import cuda_kernels_available, extension_error  # noqa: E402
+from megatron_tma.limits import MAX_EXPERTS  # noqa: E402
 from megatron_tma.mcore import experts as mcore_experts  # noqa: E402
 from megatron_tma.mcore import (  # noqa: E402
     CONFIG_FLAG, MODES, from_sequential_mlp_key, invalidate_fp8_weights, keep_token_counts_on_device, megatron_experts,
@@ -345,6 +346,10 @@ def parse_args(argv=None):
     if args.modes is None:
         args.modes = list(DEFAULT_MODES[args.transformer_impl]) + (
             ["te"] if args.transformer_impl == "transformer_engine" and args.fp8_format else [])
+    jobs = [flag for flag, asked in (("--cpu", args.cpu), ("--plot", args.plot), ("--compare", args.compare),
+                                     ("--same-bits", args.same_bits)) if asked]
+    if len(jobs) > 1:  # each is a job of its own: one would run and the others be ignored (a --same-bits gate passing)
+        p.error(f"{' and '.join(jobs)} are different jobs of the recipe: pass one of them")
     if args.cpu:
         megatron_only = [flag for flag, asked in (
             ("--modes megatron", "megatron" in args.modes), ("--modes te", "te" in args.modes),
@@ -401,6 +406,10 @@ def transformer_impl_refusal(args):
 POSITIVE = ("steps", "micro_batches", "micro_batch_size", "seq_len", "layers", "hidden", "heads", "experts", "topk",
             "expert_ffn", "vocab", "log_every", "etp", "pp")
 NON_NEGATIVE = ("experts_share_steps",)
+# The largest --seed: chain_batches seeds each rank's data with seed x 1000 + 1 + rank, which torch takes up to 2**64 - 1
+# (ranks < 1000)
+MAX_SEED = (2**64 - 1000) // 1000
+FP8_MODES = tuple(m for m in MODES if m != "bf16")  # the modes whose experts are megatron_tma's FP8 ones
 
 
 def bad_sizes(args):
@@ -422,6 +431,18 @@ def bad_sizes(args):
                 "key/value group serves the same number of query heads)")
     if args.topk > args.experts:
         return f"--topk {args.topk} must be <= --experts {args.experts} (each token goes to topk distinct experts)"
+    if not 0 <= args.seed <= MAX_SEED:
+        return (f"--seed must be in [0, {MAX_SEED}], got {args.seed} (torch's seeds are 64-bit and each rank's data "
+                "is drawn from seed x 1000 + 1 + rank)")
+    fp8 = [m for m in args.modes if m in FP8_MODES]
+    if fp8:  # megatron_tma's own rules (megatron_tma.mlp, megatron_tma.limits), here before any work
+        for name in ("hidden", "expert_ffn"):
+            if getattr(args, name) % 128:
+                return (f"--{name.replace('_', '-')} must be a multiple of 128, got {getattr(args, name)} (the FP8 "
+                        f"experts of --modes {' '.join(fp8)} contract over it in 128-wide scaling blocks)")
+        if args.experts > MAX_EXPERTS:
+            return (f"--experts must be <= {MAX_EXPERTS}, got {args.experts} (megatron_tma.limits.MAX_EXPERTS: the "
+                    f"groups the FP8 GEMMs of --modes {' '.join(fp8)} take in training)")
     return None
 
 
@@ -1011,15 +1032,15 @@ def fail(message):
     raise SystemExit(f"moe_gpt.py: {message}")
 
 
-def check_out(out_dir):
-    """Stop with one line unless the results can be written into out_dir (made if missing): checked before any
-    training, not found out after every mode has trained."""
+def check_dir(option, directory, what):
+    """Stop with one line unless `what` can be written into `directory` (made if missing), the value of `option`:
+    checked before any training, not found out after every mode has trained (--out) or at the first save (--save)."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".moe_gpt-write-check-"):
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".moe_gpt-write-check-"):
             pass
     except OSError as e:
-        fail(f"--out {out_dir} cannot take the results ({type(e).__name__}: {e.strerror or e}); pass a writable "
+        fail(f"{option} {directory} cannot take {what} ({type(e).__name__}: {e.strerror or e}); pass a writable "
              "directory")
 
 
@@ -1036,7 +1057,9 @@ def preflight(args):
     if args.load and not (args.plot or args.compare or args.same_bits) and not os.path.isdir(args.load):
         fail(f"--load {args.load}: no such directory (nothing to resume from; leave --load out to train from scratch)")
     if not args.same_bits and not args.plot:  # (--plot checks its own target, never over a plot)
-        check_out(args.out)
+        check_dir("--out", args.out, "the results")
+    if args.save and not (args.plot or args.compare or args.same_bits):
+        check_dir("--save", args.save, "the checkpoints")
     if args.cpu:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != 1:
@@ -1085,8 +1108,7 @@ def redraw(args):
     path = os.path.join(args.out, os.path.splitext(os.path.basename(args.plot))[0] + ".png")
     if os.path.exists(path):
         fail(f"{path} exists; --plot draws into --out and never over a plot: pass another --out")
-    with open(args.plot) as f:
-        result = json.load(f)
+    result = read_result(args.plot, "--plot")
     os.makedirs(args.out, exist_ok=True)
     plot(result, path)
     return 0
@@ -1125,6 +1147,58 @@ def cpu_job(args):
 def main(argv=None):
     args = parse_args(argv)
     preflight(args)
+    with contextlib.ExitStack() as job:
+        job.enter_context(stdout_may_close())
+        if args.save and not (args.plot or args.compare or args.same_bits) and int(os.environ.get("RANK", "0")) == 0:
+            # one job saves into a --save directory at a time: a second one is refused here, before any work, not
+            # left to delete the first one's half-written checkpoint (checkpoint.hold_save_lock); rank 0 holds it for
+            # the job (the other ranks' saves go through rank 0's)
+            try:
+                job.enter_context(checkpoint.save_lock(args.save))
+            except checkpoint.SaveDirLocked as e:
+                fail(f"--save: {e}")
+        try:
+            return run_job(args)
+        except (checkpoint.CheckpointFileError, checkpoint.SaveDirLocked) as e:  # a checkpoint file breaking its rule
+            fail(str(e))
+
+
+@contextlib.contextmanager
+def stdout_may_close():
+    """Keep the job going when its stdout is closed under it (`... | head`: the reader exits, the next print raises
+    BrokenPipeError, since Python ignores SIGPIPE): stdout's file descriptor is pointed at /dev/null there, so the
+    rest of the printing (and the flush at exit) goes nowhere, and the run trains on and writes its result. torchrun
+    hands its workers its own stdout (no --redirects / --tee), so each rank meets the closed pipe itself; the
+    agent's own messages go to stderr."""
+    stream = sys.stdout
+
+    class Guarded:
+        def __getattr__(self, name):
+            return getattr(stream, name)
+
+        def _guard(self, op, *a):
+            try:
+                return op(*a)
+            except BrokenPipeError:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+                return op(*a)  # the same bytes, now into /dev/null (the stream's buffer still holds them)
+
+        def write(self, text):
+            return self._guard(stream.write, text)
+
+        def flush(self):
+            return self._guard(stream.flush)
+
+    sys.stdout = Guarded()
+    try:
+        yield
+    finally:
+        sys.stdout = stream
+
+
+def run_job(args):
     if args.plot:
         return redraw(args)
     if args.cpu:
@@ -1364,10 +1438,13 @@ def save(result, out_dir, stamp):
     plot(result, base + ".png")
 
 
-def runs_of(result):
-    """The per-mode records of a result (what summarize() reads), rebuilt from its rows and records."""
-    if "records" not in result:
-        raise SystemExit("--compare: a result without digests (written before 2026-11-29 23:00); run it again")
+def runs_of(result, option, path):
+    """The per-mode records of a result (what summarize() reads), rebuilt from its rows and records; `option` and
+    `path` name the result in the one-line refusal of one that cannot be compared."""
+    if not isinstance(result, dict) or not all(k in result for k in ("records", "rows", "config", "world_size",
+                                                                       "loss_floor")):
+        fail(f"{option} {path}: not a moe_gpt result with digests (one written before 2026-11-29 23:00, or another "
+             "JSON file); run it again")
     runs = {}
     for row in result["rows"]:
         run = runs.setdefault(row["mode"], {"losses": [], "grad_norms": [], "times": []})
@@ -1381,18 +1458,16 @@ def runs_of(result):
 
 def compare(paths, out_dir):
     """Merge results that ran the same settings with different modes (each process its own), check them as one."""
-    results = []
-    for path in paths:
-        with open(path) as f:
-            results.append(json.load(f))
+    results = [read_result(path, "--compare") for path in paths]
+    per_result = [runs_of(r, "--compare", path) for r, path in zip(results, paths)]
     settings = [({k: v for k, v in r["config"].items() if k != "modes"}, r["world_size"], r["loss_floor"])
                 for r in results]
     if any(s != settings[0] for s in settings):
         raise SystemExit("--compare: the results ran different settings (config other than --modes, world size or "
                          "data); they cannot be compared")
     runs = {}
-    for r in results:
-        for mode, run in runs_of(r).items():
+    for result_runs in per_result:
+        for mode, run in result_runs.items():
             if mode in runs:
                 raise SystemExit(f"--compare: mode {mode} appears in more than one result")
             runs[mode] = run
@@ -1413,12 +1488,20 @@ def compare(paths, out_dir):
     return 1 if failures else 0
 
 
+def read_result(path, option):
+    """The result JSON at `path`, given to `option`; stops with one line naming both if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except OSError as e:
+        fail(f"{option} {path}: cannot be read ({type(e).__name__}: {e.strerror or e}); pass a result JSON")
+    except ValueError as e:  # not UTF-8, not JSON
+        fail(f"{option} {path}: not a result JSON ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
+
+
 def same_bits(path_a, path_b):
     """0 if every mode the two results share trained the same bits (module docstring); prints what differs."""
-    runs = []
-    for path in (path_a, path_b):
-        with open(path) as f:
-            runs.append(runs_of(json.load(f)))
+    runs = [runs_of(read_result(path, "--same-bits"), "--same-bits", path) for path in (path_a, path_b)]
     shared = [m for m in runs[0] if m in runs[1]]
     if not shared:
         raise SystemExit(f"--same-bits: {path_a} and {path_b} have no mode in common")
@@ -1497,6 +1580,7 @@ def plot(result, path):
              "labels: peak memory, experts' share of the step (hatched)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)  # in-process runs (the tests) draw many
     print("wrote", path)
 
 

@@ -39,7 +39,7 @@ import hashlib
 import io
 import math
 import os
-import shutil
+import re
 import signal
 import time
 
@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_tma.mcore.checkpoint import checkpoint_dir, latest_iteration, save_refusal, write_tracker
+from megatron_tma.mcore.checkpoint import (CheckpointFileError, checkpoint_dir, fresh_iteration_dir, latest_iteration,
+                                           read_ascii, save_refusal, write_atomic, write_tracker)
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
 
@@ -164,49 +165,54 @@ def evaluate(model, batch):
 STATE, CHECKSUM = "state.pt", "state.pt.sha256"
 
 
-def _write_atomic(path, data: bytes):
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
 def save_state(directory, step, model, main, optimizer, progress):
-    """A checkpoint of the run after `step` steps; it counts once the tracker names it (every write atomic). Never
-    over a complete checkpoint, never moving the tracker back (FileExistsError, as the GPU job's save). The file's
-    SHA-256 goes next to it (state.pt.sha256), and the load checks it."""
+    """A checkpoint of the run after `step` steps; it counts once the tracker names it (every write atomic, never
+    through a link: megatron_tma.mcore.checkpoint.write_atomic). Never over a complete checkpoint, never moving the
+    tracker back (FileExistsError, as the GPU job's save); only by the process holding the directory's save lock
+    (SaveDirLocked: another live job saves there). The file's SHA-256 goes next to it (state.pt.sha256), and the
+    load checks it."""
     refusal = save_refusal(directory, step)
     if refusal is not None:
         raise FileExistsError(refusal)
-    path = checkpoint_dir(directory, step)
-    if os.path.isdir(path):  # the tracker never named it: what a run killed while saving left behind
-        shutil.rmtree(path)
-    os.makedirs(path)
+    path = fresh_iteration_dir(directory, step)
     state = {"model": model.state_dict(), "main": [m.detach() for m in main], "optimizer": optimizer.state_dict(),
              "rng": torch.get_rng_state(), "progress": progress, "step": step}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
-    _write_atomic(os.path.join(path, STATE), data)
-    _write_atomic(os.path.join(path, CHECKSUM), f"{hashlib.sha256(data).hexdigest()}  {STATE}\n".encode())
+    write_atomic(os.path.join(path, STATE), data)
+    write_atomic(os.path.join(path, CHECKSUM), f"{hashlib.sha256(data).hexdigest()}  {STATE}\n".encode("ascii"))
     write_tracker(directory, step)
     return path
+
+
+# The checksum file: sha256sum's line, `<64 hex digits>  state.pt`; the hex in either case (sha256sum and hashlib write
+# lower case, other tools upper case: the same digest)
+CHECKSUM_LINE = re.compile(r"([0-9a-fA-F]{64})[ \t]+\*?" + re.escape(STATE) + r"\s*")
+CHECKSUM_RULE = f"one line '<SHA-256 of {STATE} in 64 hex digits>  {STATE}' (sha256sum's format)"
 
 
 def read_state(path):
     """The checkpoint object in `path`/state.pt, after its SHA-256 matched the one saved with it; loaded with
     `weights_only=True` (tensors and plain containers only: a crafted file cannot run code). Stops with one line naming
-    the file otherwise."""
+    the file and its rule otherwise."""
     file, sums = os.path.join(path, STATE), os.path.join(path, CHECKSUM)
+    try:
+        text = read_ascii(sums, CHECKSUM_RULE)
+    except CheckpointFileError as e:
+        raise SystemExit(f"moe_gpt.py: {e}")
+    except OSError as e:
+        raise SystemExit(f"moe_gpt.py: cannot read the checksum {sums} of the checkpoint {file} "
+                         f"({type(e).__name__}: {e.strerror or e})")
+    line = CHECKSUM_LINE.fullmatch(text)
+    if line is None:
+        raise SystemExit(f"moe_gpt.py: {sums} holds {text[:80]!r}; it must hold {CHECKSUM_RULE}")
+    want = line.group(1).lower()
     try:
         with open(file, "rb") as f:
             data = f.read()
-        with open(sums) as f:
-            want = f.read().split()[0]
-    except (OSError, IndexError) as e:
-        raise SystemExit(f"moe_gpt.py: cannot read the checkpoint {file} or its checksum {sums} "
-                         f"({type(e).__name__}: {getattr(e, 'strerror', None) or e})")
+    except OSError as e:
+        raise SystemExit(f"moe_gpt.py: cannot read the checkpoint {file} ({type(e).__name__}: {e.strerror or e})")
     got = hashlib.sha256(data).hexdigest()
     if got != want:
         raise SystemExit(f"moe_gpt.py: {file} does not match its checksum ({sums} says {want[:16]}..., the file has "

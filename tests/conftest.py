@@ -120,3 +120,27 @@ def quantizer_preconditions(monkeypatch):
         monkeypatch.setattr(quant, name, checked)
     return seen
 
+
+
+@pytest.fixture
+def another_job_saving():
+    """Start another process that holds a save directory's lock (megatron_tma.mcore.checkpoint.hold_save_lock, as a
+    live job saving there does): call it with the directory, get the process; it is killed at the test's end."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started = []
+
+    def start(directory):
+        code = ("import sys, time; from megatron_tma.mcore import checkpoint; checkpoint.hold_save_lock(sys.argv[1]); "
+                "print('held', flush=True); time.sleep(600)")
+        proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": root}, cwd=root)
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "held", "the lock-holding process did not start"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()

@@ -3,6 +3,7 @@ modules on the reference backend (Megatron's forward contract, parameter marks, 
 cache's invalidation by Megatron's per-iteration signal), and, where megatron-core is installed, the spec switch.
 The whole Megatron model runs on the GPU (tests/test_mcore_gpu.py, recipes/moe_gpt.py)."""
 import importlib.util
+import os
 import types
 import warnings
 
@@ -815,6 +816,41 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     metadata = checkpoint._metadata(opt, "dp_reshardable")
     assert metadata["chained_optim_avoid_prefix"] is True and metadata["singleton_local_shards"] is False
     assert "distrib_optim_sharding_type" not in metadata and "dp_cp_group" in metadata
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+def test_run_checkpoint_saves_only_under_its_directorys_lock(megatron_cpu, tmp_path, monkeypatch, another_job_saving):
+    """Issue 55 item 5 for megatron_tma.mcore.checkpoint: a second job saving into one directory deleted the first
+    one's half-written iteration (never named by the tracker) as a killed run's leftovers. While another live process
+    holds the directory's lock the save is refused (SaveDirLocked naming the holder's pid, raised alike on every
+    rank) and deletes nothing; the tracker goes through a unique temporary file, never a link planted at the old
+    fixed `.tmp` name; a tracker breaking its rule is one line naming it."""
+    from megatron_tma.mcore import checkpoint
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    model = _small_gpt("unpadded")
+    opt = _megatron_adam(model)
+    save = tmp_path / "save"
+    holder = another_job_saving(save)
+    (save / "iter_0000003").mkdir()
+    (save / "iter_0000003" / "half-written").write_text("the other job's")
+    with pytest.raises(checkpoint.SaveDirLocked, match=f"pid {holder.pid}"):
+        checkpoint.save_checkpoint(str(save), 3, [model], opt)
+    assert (save / "iter_0000003" / "half-written").read_text() == "the other job's"
+    holder.kill()
+    holder.wait()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    os.symlink(outside, save / (checkpoint.TRACKER_FILE + ".tmp"))
+    checkpoint.save_checkpoint(str(save), 3, [model], opt)  # the holder is gone: its leftovers are written over
+    assert checkpoint.latest_iteration(str(save)) == 3 and not (save / "iter_0000003" / "half-written").exists()
+    assert outside.read_text() == "precious"
+    (save / checkpoint.TRACKER_FILE).write_text("\u00b3")
+    with pytest.raises(checkpoint.CheckpointFileError, match="ASCII digits"):
+        checkpoint.save_checkpoint(str(save), 4, [model], opt)
+    checkpoint.release_save_lock(str(save))  # held by this process since its first save; let other tests' go
 
 
 def test_reference_fallback_on_a_gpu_is_announced(monkeypatch):

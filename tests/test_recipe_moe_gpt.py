@@ -239,3 +239,105 @@ def test_scaling_runs_are_valid_recipe_runs(recipe, nproc):
         assert args.topk == 8 and args.experts == 64 and args.experts % args.ep == 0
         assert args.ep * args.etp * args.pp <= nproc and (nproc // args.pp) % (args.ep * args.etp) == 0
         assert args.layers % args.pp == 0 and "unpadded" in args.modes and "padded16" in args.modes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 55 item 5: the files of a save directory (megatron_tma.mcore.checkpoint; both jobs write through it)
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, rule", [
+    (b"\xff\xfe1\x002\x00", "not ASCII"),  # UTF-16, as an editor may save it
+    ("\u00b3".encode(), "not ASCII"),  # '³': str.isdigit() takes it, int() does not
+    ("1\u0663".encode(), "not ASCII"),  # an Arabic-Indic 3, which int() takes
+    (b"12 13", "not an iteration number"),
+    (b"", "not an iteration number"),
+    (b"1" * 5000, "more than 4096 bytes"),
+])
+def test_a_tracker_breaking_its_rule_is_one_line_naming_it(tmp_path, content, rule):
+    """Issue 55 item 5: a tracker with non-UTF-8 bytes or a non-ASCII digit ended in a UnicodeDecodeError or an int()
+    traceback that named no file."""
+    from megatron_tma.mcore import checkpoint
+
+    tracker = tmp_path / checkpoint.TRACKER_FILE
+    tracker.write_bytes(content)
+    with pytest.raises(checkpoint.CheckpointFileError) as e:
+        checkpoint.latest_iteration(str(tmp_path))
+    text = str(e.value)
+    assert "\n" not in text and str(tracker) in text and rule in text and "ASCII digits" in text, text
+    assert isinstance(e.value, ValueError)  # what latest_iteration raised for a bad tracker before
+
+
+def test_a_tracker_that_is_a_directory_is_one_line_naming_it(tmp_path):
+    from megatron_tma.mcore import checkpoint
+
+    (tmp_path / checkpoint.TRACKER_FILE).mkdir()
+    with pytest.raises(checkpoint.CheckpointFileError, match=r"latest_checkpointed_iteration\.txt cannot be read "
+                                                             r"\(IsADirectoryError.*it must be a file holding") as e:
+        checkpoint.latest_iteration(str(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_the_tracker_is_never_written_through_a_link(tmp_path):
+    """Issue 55 item 5: the tracker went through a fixed `<tracker>.tmp` opened with open(..., "w"), which follows a
+    symlink planted under that name: a save wrote a file outside the save directory. Links planted at the old
+    temporary name and at the tracker's own name are left alone / replaced, never written through."""
+    from megatron_tma.mcore import checkpoint
+
+    save = tmp_path / "save"
+    save.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    tracker = save / checkpoint.TRACKER_FILE
+    os.symlink(outside, str(tracker) + ".tmp")
+    checkpoint.write_tracker(str(save), 7)
+    assert outside.read_text() == "precious"
+    assert not tracker.is_symlink() and tracker.read_text() == "7"
+    os.unlink(tracker)
+    os.symlink(outside, tracker)  # the tracker itself a link: the link is replaced, the target untouched
+    checkpoint.write_tracker(str(save), 8)
+    assert outside.read_text() == "precious" and not tracker.is_symlink() and tracker.read_text() == "8"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert tracker.stat().st_mode & 0o777 == 0o666 & ~umask  # readable as any file, not mkstemp's 0600
+    # nothing left behind but the planted link (unique temporary names, renamed away)
+    assert sorted(p.name for p in save.iterdir()) == sorted([checkpoint.TRACKER_FILE, checkpoint.TRACKER_FILE + ".tmp"])
+
+
+def test_an_iteration_directory_planted_as_a_link_is_replaced_not_followed(tmp_path):
+    from megatron_tma.mcore import checkpoint
+
+    save, elsewhere = tmp_path / "save", tmp_path / "elsewhere"
+    save.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("x")
+    os.symlink(elsewhere, save / "iter_0000003")
+    path = checkpoint.fresh_iteration_dir(str(save), 3)
+    assert os.path.isdir(path) and not os.path.islink(path) and os.listdir(path) == []
+    assert (elsewhere / "keep").read_text() == "x"
+
+
+def test_one_job_saves_into_a_directory_at_a_time(tmp_path, another_job_saving):
+    """Issue 55 item 5: a second job saving into the same directory took the first one's half-written iteration for a
+    killed run's leftovers and deleted it. Whoever holds the directory's lock (the first job) saves; the second is
+    refused in one line naming the directory and the holder's pid, and deletes nothing."""
+    from megatron_tma.mcore import checkpoint
+
+    save = tmp_path / "save"
+    holder = another_job_saving(save)
+    (save / "iter_0000004").mkdir()
+    (save / "iter_0000004" / "half-written").write_text("the other job's")
+    for attempt in (lambda: checkpoint.hold_save_lock(str(save)),
+                    lambda: checkpoint.fresh_iteration_dir(str(save), 4)):
+        with pytest.raises(checkpoint.SaveDirLocked) as e:
+            attempt()
+        text = str(e.value)
+        assert "\n" not in text and str(save) in text and f"pid {holder.pid}" in text, text
+    assert (save / "iter_0000004" / "half-written").read_text() == "the other job's"
+    holder.kill()  # the kernel releases a killed holder's lock: no stale lock
+    holder.wait()
+    with checkpoint.save_lock(str(save)):
+        assert (save / checkpoint.LOCK_FILE).read_text().strip() == str(os.getpid())
+        checkpoint.hold_save_lock(str(save))  # again in the holding process: nothing
+        path = checkpoint.fresh_iteration_dir(str(save), 4)  # a dead job's leftovers now: removed
+        assert os.listdir(path) == []
+    another_job_saving(save).kill()  # released at the end of the with block: another process takes it

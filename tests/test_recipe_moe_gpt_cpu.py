@@ -406,6 +406,13 @@ def test_an_unwritable_out_is_found_before_training(recipe, torch_settings, tmp_
     (["--log-every", "0"], "--log-every must be >= 1"),
     (["--heads", "3"], "--hidden 128 must be divisible by --heads 3"),
     (["--topk", "5"], "--topk 5 must be <= --experts 4"),
+    # issue 55 item 6: these were tracebacks later (the FP8 modules' rules, torch's seed range)
+    (["--hidden", "192"], "--hidden must be a multiple of 128, got 192"),
+    (["--expert-ffn", "64"], "--expert-ffn must be a multiple of 128, got 64"),
+    (["--experts", "1025"], "--experts must be <= 1024, got 1025 (megatron_tma.limits.MAX_EXPERTS"),
+    (["--seed", str(2**63)], f"--seed must be in [0, {(2**64 - 1000) // 1000}], got {2**63}"),
+    (["--seed", str(2**55)], "--seed must be in [0, "),  # seed x 1000 + 1 past 2**64
+    (["--seed", "-1"], "--seed must be in [0, "),
 ])
 def test_bad_sizes_stop_in_one_line_naming_the_option(recipe, capsys, option, rule):
     """Issue 34 item 7: these reached the training loop (IndexError, ZeroDivisionError, reshape errors)."""
@@ -706,3 +713,157 @@ def test_experts_timer_marks_the_experts_forward_and_backward(recipe):
     measured = share()
     assert measured["experts_ms"] == 4.0 and measured["step_ms"] == 9.0  # 4 intervals of 1 tick, 8 events + 1
     assert measured["share"] == pytest.approx(4 / 9)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue 55 items 5 and 6: checkpoint files, one job per --save, the recipe's options, a closed stdout
+# --------------------------------------------------------------------------------------------------------------
+
+def test_a_checksum_in_upper_case_hex_is_the_same_checksum(recipe, saved, tmp_path):
+    """Issue 55 item 5: an intact checkpoint whose state.pt.sha256 was written in upper case was refused as
+    "truncated or corrupted"."""
+    argv, mode_dir = saved
+    sums = mode_dir / "iter_0000002" / "state.pt.sha256"
+    digest, name = sums.read_text().split()
+    sums.write_text(f"{digest.upper()}  {name}\n")
+    assert recipe.main([*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed")]) == 0
+    (result,) = glob.glob(str(tmp_path / "resumed" / "moe_gpt-*.json"))
+    assert json.load(open(result))["records"]["unpadded"]["resumed_from_step"] == 2
+
+
+@pytest.mark.parametrize("where, content, words", [
+    ("iter_0000002/state.pt.sha256", b"\xff\xfe" + "abc".encode("utf-16-le"), ["state.pt.sha256", "not ASCII",
+                                                                              "64 hex digits"]),
+    ("iter_0000002/state.pt.sha256", b"not a checksum  state.pt\n", ["state.pt.sha256", "64 hex digits"]),
+    ("iter_0000002/state.pt.sha256", None, ["state.pt.sha256", "IsADirectoryError", "64 hex digits"]),
+    ("latest_checkpointed_iteration.txt", b"\xff2", ["latest_checkpointed_iteration.txt", "not ASCII",
+                                                     "ASCII digits"]),
+    ("latest_checkpointed_iteration.txt", "\u00b3".encode(), ["latest_checkpointed_iteration.txt", "ASCII digits"]),
+    ("latest_checkpointed_iteration.txt", None, ["latest_checkpointed_iteration.txt", "IsADirectoryError"]),
+])
+def test_a_checkpoint_file_breaking_its_rule_stops_in_one_line(recipe, saved, tmp_path, capsys, where, content, words):
+    """Issue 55 item 5: a checksum file or tracker with non-UTF-8 bytes, a tracker holding '³' (str.isdigit takes
+    it), a directory in their place: tracebacks naming no file. Now one line naming the file and its rule, under
+    --load (resume) and under --save (the check that the run's saves go through)."""
+    argv, mode_dir = saved
+    target = mode_dir / where
+    target.unlink()
+    if content is None:
+        target.mkdir()
+    else:
+        target.write_bytes(content)
+    _resume_stops(recipe, [*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")], capsys,
+                  *words)
+    if where.startswith("latest"):
+        _resume_stops(recipe, [*argv, "--steps", "3", "--out", str(tmp_path / "out")], capsys, *words)
+
+
+def test_a_planted_link_never_takes_a_save_outside_save(recipe, torch_settings, tmp_path):
+    """Issue 55 item 5: a symlink planted at the tracker's fixed temporary name made the CPU job's save write the file
+    it points to."""
+    mode_dir = tmp_path / "ckpt" / "unpadded"
+    mode_dir.mkdir(parents=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    os.symlink(outside, mode_dir / "latest_checkpointed_iteration.txt.tmp")
+    os.symlink(outside, mode_dir / "iter_0000001")  # an iteration directory the tracker never named, as a link
+    assert recipe.main([*SHORT, "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                        "--out", str(tmp_path / "out")]) == 0
+    assert outside.read_text() == "precious"
+    assert (mode_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (mode_dir / "iter_0000001" / "state.pt").is_file() and not (mode_dir / "iter_0000001").is_symlink()
+
+
+def test_a_second_job_into_one_save_is_refused_before_any_work(recipe, torch_settings, tmp_path, capsys,
+                                                               another_job_saving):
+    """Issue 55 item 5: two jobs saving into one --save: one deleted the other's half-written iteration as a killed
+    run's leftovers, and the other crashed after all its training. The second job now stops before training, in one
+    line naming the directory and the first job's pid; the first job's files are untouched."""
+    save = tmp_path / "ckpt"
+    holder = another_job_saving(save)
+    (save / "unpadded" / "iter_0000001").mkdir(parents=True)
+    (save / "unpadded" / "iter_0000001" / "state.pt").write_text("being written")
+    _resume_stops(recipe, [*SHORT, "--save", str(save), "--save-interval", "1", "--out", str(tmp_path / "out")],
+                  capsys, "--save", str(save), f"pid {holder.pid}", "another live job")
+    assert (save / "unpadded" / "iter_0000001" / "state.pt").read_text() == "being written"
+    assert not glob.glob(str(tmp_path / "out" / "moe_gpt-*.json"))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda tmp: (tmp / "a_file").write_text("x") and tmp / "a_file", ["--save", "a_file", "FileExistsError"]),
+    (lambda tmp: (tmp / "a_file").write_text("x") and tmp / "a_file" / "ckpt", ["--save", "a_file",
+                                                                                "NotADirectoryError"]),
+])
+def test_an_unusable_save_is_found_before_training(recipe, torch_settings, tmp_path, capsys, make, words):
+    """Issue 55 item 6: an unusable --save (a file, a path through a file) was found at the first save, after
+    training, with a traceback. Checked before any work, as --out is."""
+    save = make(tmp_path)
+    _resume_stops(recipe, [*SHORT, "--save", str(save), "--save-interval", "1", "--out", str(tmp_path / "out")],
+                  capsys, *words)
+
+
+def test_an_unusable_save_stops_the_gpu_job_before_the_distributed_set_up(gpu_job, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    _one_line(gpu_job, ["--save", str(tmp_path / "a_file"), "--save-interval", "5", "--out", str(tmp_path / "out")],
+              "--save")
+
+
+@pytest.mark.parametrize("argv, jobs", [
+    (["--cpu", "--same-bits", "a.json", "b.json"], "--cpu and --same-bits"),
+    (["--cpu", "--compare", "a.json"], "--cpu and --compare"),
+    (["--cpu", "--plot", "a.json"], "--cpu and --plot"),
+    (["--plot", "a.json", "--same-bits", "a.json", "b.json"], "--plot and --same-bits"),
+    (["--compare", "a.json", "--same-bits", "a.json", "b.json"], "--compare and --same-bits"),
+])
+def test_conflicting_jobs_are_refused_in_one_line(recipe, capsys, argv, jobs):
+    """Issue 55 item 6: `--cpu --same-bits A B` trained, wrote a result and exited 0 though A and B need not exist (a
+    CI gate on --same-bits would always pass)."""
+    with pytest.raises(SystemExit) as e:
+        recipe.parse_args(argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert jobs in last and "different jobs" in last, last
+
+
+@pytest.mark.parametrize("argv, files, words", [
+    (["--plot", "{missing}"], {}, ["--plot", "missing.json", "FileNotFoundError"]),
+    (["--same-bits", "{missing}", "{good}"], {}, ["--same-bits", "missing.json", "FileNotFoundError"]),
+    (["--compare", "{good}", "{missing}"], {}, ["--compare", "missing.json", "FileNotFoundError"]),
+    (["--same-bits", "{good}", "{bad}"], {"bad": "[1, 2]"}, ["--same-bits", "bad.json", "not a moe_gpt result"]),
+    (["--same-bits", "{good}", "{bad}"], {"bad": '{"records": {}}'}, ["--same-bits", "bad.json"]),
+    (["--same-bits", "{bad}", "{good}"], {"bad": "{"}, ["--same-bits", "bad.json", "not a result JSON"]),
+    (["--plot", "{bad}"], {"bad": b"\xff\xfe"}, ["--plot", "bad.json", "not a result JSON"]),
+])
+def test_a_missing_or_bad_result_file_is_one_line_naming_its_option(recipe, cpu_run, tmp_path, argv, files, words):
+    """Issue 55 item 6: a missing file for --plot / --same-bits was a traceback, and a bad result given to
+    --same-bits got a message naming --compare."""
+    run, out = cpu_run
+    (good,) = glob.glob(str(out / "moe_gpt-*.json"))
+    for name, content in files.items():
+        path = tmp_path / f"{name}.json"
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    names = {"missing": str(tmp_path / "missing.json"), "good": good, "bad": str(tmp_path / "bad.json")}
+    with pytest.raises(SystemExit) as e:
+        recipe.main([a.format(**names) for a in argv] + ["--out", str(tmp_path / "out")])
+    text = str(e.value.code)
+    assert text.startswith("moe_gpt.py: ") and "\n" not in text and all(w in text for w in words), text
+    if "--same-bits" in argv:
+        assert "--compare" not in text
+
+
+@needs_matplotlib
+def test_the_cpu_job_trains_on_and_writes_its_result_when_stdout_closes(tmp_path):
+    """Issue 55 item 6: `torchrun ... --cpu | head` died with BrokenPipeError once head exited, and wrote no result.
+    The reader here takes the first line and closes the pipe; the job must train on, exit 0 and write its result."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", RECIPE, *TINY,
+           "--steps", "6", "--modes", "unpadded", "padded16", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does when it exits
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err[-4000:]
+    assert first.startswith("CPU job:"), first
+    assert "BrokenPipeError" not in err, err[-4000:]
+    (path,) = glob.glob(str(out / "moe_gpt-*.json"))
+    assert json.load(open(path))["failures"] == []

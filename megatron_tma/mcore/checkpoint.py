@@ -23,10 +23,23 @@ written over when the run gets there again (a complete checkpoint never is, and 
 metadata Megatron-LM passes (`_metadata`). Per-rank RNG states are restored at the same world size only; the
 optimizer formats themselves reshard along data parallelism.
 With the distributed optimizer's parameter all-gather overlapped, the stepped parameters are gathered before saving,
-as Megatron-LM does."""
+as Megatron-LM does.
+
+The files this module handles for a save directory (the recipe's CPU job writes its own checkpoints through the same
+functions): the tracker is read as ASCII digits and nothing else (`CheckpointFileError`, one line naming the file and
+the rule); every small file is written whole through a temporary file of a unique name created exclusively without
+following links, then renamed (`write_atomic`: a link planted in the directory is replaced, never written through);
+a directory is saved into only by the process holding its lock (`hold_save_lock`, an `fcntl.flock` on
+`<dir>/.megatron_tma_save.lock`, held from the first save to the process's end, released by the kernel however
+the process ends), so an iteration directory the tracker does not name is a dead run's leftovers, never a live
+job's half-written save (`SaveDirLocked` names the holder's pid otherwise)."""
 import contextlib
+import errno
+import fcntl
 import os
 import random
+import re
+import secrets
 import shutil
 import warnings
 from typing import Any, List, Optional, Tuple
@@ -34,35 +47,171 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "checkpoint_dir", "latest_iteration", "write_tracker", "save_refusal",
-           "save_checkpoint", "load_checkpoint"]
+__all__ = ["OPTIM_FORMATS", "TRACKER_FILE", "LOCK_FILE", "CheckpointFileError", "SaveDirLocked", "checkpoint_dir",
+           "latest_iteration", "write_tracker", "save_refusal", "read_ascii", "write_atomic", "hold_save_lock",
+           "release_save_lock", "save_lock", "fresh_iteration_dir", "save_checkpoint", "load_checkpoint"]
 
 OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's formats megatron-core 0.19 saves
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
+LOCK_FILE = ".megatron_tma_save.lock"  # in a save directory: who saves into it (hold_save_lock)
+
+
+class CheckpointFileError(ValueError):
+    """A file of a save directory that breaks its rule (unreadable, not text, not what it should hold): one line
+    naming the file and the rule."""
+
+
+class SaveDirLocked(RuntimeError):
+    """Another live process saves into the directory (one line naming it, the lock file and the holder's pid)."""
 
 
 def checkpoint_dir(directory: str, iteration: int) -> str:
     return os.path.join(directory, f"iter_{iteration:07d}")
 
 
-def latest_iteration(directory: str) -> Optional[int]:
-    """The iteration of the newest complete checkpoint in `directory`, or None if there is none."""
+def read_ascii(path: str, rule: str, limit: int = 4096) -> str:
+    """The text of the small file `path` (a tracker, a checksum), which must be ASCII: CheckpointFileError naming the
+    file and `rule` (what it must hold) if it is not a readable file or holds other bytes; FileNotFoundError if it is
+    missing (the caller decides what a missing file means). At most `limit` bytes are read: these files hold a line."""
     try:
-        with open(os.path.join(directory, TRACKER_FILE)) as f:
-            text = f.read().strip()
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a directory, a permission, a device error
+        raise CheckpointFileError(f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); it must be a "
+                                  f"file holding {rule}") from None
+    if len(data) > limit:
+        raise CheckpointFileError(f"{path} holds more than {limit} bytes; it must hold {rule}")
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise CheckpointFileError(f"{path} holds a byte that is not ASCII ({data[e.start]:#04x} at offset {e.start}); "
+                                  f"it must hold {rule}") from None
+
+
+def latest_iteration(directory: str) -> Optional[int]:
+    """The iteration of the newest complete checkpoint in `directory`, or None if there is none.
+    CheckpointFileError (one line) if the tracker is not a file of ASCII digits: `str.isdigit` and `int` take other
+    scripts' digits ('³', '٣'), which Megatron-LM's loader does not, so the rule is the ASCII one."""
+    path = os.path.join(directory, TRACKER_FILE)
+    rule = "an iteration number in ASCII digits (Megatron-LM's tracker)"
+    try:
+        text = read_ascii(path, rule).strip()
     except FileNotFoundError:
         return None
-    if not text.isdigit():
-        raise ValueError(f"{os.path.join(directory, TRACKER_FILE)} holds {text!r}, not an iteration number")
+    if not re.fullmatch(r"[0-9]+", text):
+        raise CheckpointFileError(f"{path} holds {text[:40]!r}, not an iteration number: it must hold {rule}")
     return int(text)
 
 
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` as the file `path`, whole or not at all: into a temporary file of a unique name in the same
+    directory, created exclusively and without following a link (O_CREAT | O_EXCL | O_NOFOLLOW: a name planted there
+    beforehand, a symlink included, is never opened), synced, then renamed over `path` (the rename replaces a link at
+    `path` itself, never its target) and the directory synced, so the new name survives a crash. The file gets the
+    usual permissions (0666 less the umask; mkstemp's 0600 would make a tracker unreadable to the group)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:  # a name someone already holds (even a link): draw another
+            continue
+    else:
+        raise FileExistsError(errno.EEXIST, f"no unused temporary name for {path} after 100 tries", directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename's durability; not every file system opens directories
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
 def write_tracker(directory: str, iteration: int) -> None:
-    """Name `iteration` the newest complete checkpoint in `directory` (atomic: never a half-written tracker)."""
-    tmp = os.path.join(directory, TRACKER_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-    os.replace(tmp, os.path.join(directory, TRACKER_FILE))
+    """Name `iteration` the newest complete checkpoint in `directory` (write_atomic: never a half-written tracker,
+    never through a link)."""
+    write_atomic(os.path.join(directory, TRACKER_FILE), str(iteration).encode("ascii"))
+
+
+# The save locks this process holds: real path of the directory -> the open lock file (its flock lives as long as
+# the descriptor; flock locks belong to the open file, so a second open in this process would conflict with the first)
+_HELD_LOCKS = {}
+
+
+def hold_save_lock(directory: str) -> None:
+    """Make this process the one that saves into `directory` (created if missing) until it ends or calls
+    `release_save_lock`: an exclusive `fcntl.flock` on `<directory>/.megatron_tma_save.lock`, which holds the
+    holder's pid. Taking it again in the holding process does nothing. SaveDirLocked (one line: the directory and the
+    holder's pid) if another live process holds it. The kernel releases the lock however its holder ends (SIGKILL
+    included), so a killed run never leaves a stale one; on network file systems flock is as good as their locking
+    (NFS maps it onto its byte-range locks)."""
+    os.makedirs(directory, exist_ok=True)
+    key = os.path.realpath(directory)
+    if key in _HELD_LOCKS:
+        return
+    path = os.path.join(directory, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise SaveDirLocked(f"{directory} is being saved into by another live job (pid {holder}, holding {path}): "
+                            "one job saves into a directory at a time; pass another --save or wait for it to end") \
+            from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    _HELD_LOCKS[key] = fd
+
+
+def release_save_lock(directory: str) -> None:
+    """Let other processes save into `directory` again (nothing if this process does not hold its lock)."""
+    fd = _HELD_LOCKS.pop(os.path.realpath(directory), None)
+    if fd is not None:
+        os.close(fd)  # closing the last descriptor of the open file releases its flock
+
+
+@contextlib.contextmanager
+def save_lock(directory: str):
+    """`hold_save_lock(directory)` for the `with` block; released at its end unless it was held before."""
+    held = os.path.realpath(directory) in _HELD_LOCKS
+    hold_save_lock(directory)
+    try:
+        yield
+    finally:
+        if not held:
+            release_save_lock(directory)
+
+
+def fresh_iteration_dir(directory: str, iteration: int) -> str:
+    """An empty `directory`/iter_<iteration> for a save, made under the directory's save lock (taken here if this
+    process does not hold it yet). Whatever is there is removed first: the tracker never named it (save_refusal is
+    asked before) and no live process writes it (the lock), so it is what a run killed while saving left behind; a
+    link is removed itself, never followed."""
+    hold_save_lock(directory)
+    path = checkpoint_dir(directory, iteration)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):  # a link, a file
+        os.unlink(path)
+    os.mkdir(path)
+    return path
 
 
 def save_refusal(directory: str, iteration: int) -> Optional[str]:
@@ -211,20 +360,28 @@ def _gather_updated_params(models, optimizer) -> None:
 def save_checkpoint(directory: str, iteration: int, models, optimizer, *, optim_format: str = "dp_reshardable",
                     progress: Any = None) -> str:
     """Save the run at `iteration` into `directory`/iter_<iteration> on every rank (a collective); returns that
-    path. The tracker file names it only after every rank has written its part."""
+    path. The tracker file names it only after every rank has written its part. Rank 0 takes the directory's save lock
+    at the first save and holds it to the end of the process (SaveDirLocked on every rank if another job holds it)."""
     from megatron.core import dist_checkpointing
 
     path = checkpoint_dir(directory, iteration)
-    refusal = [None]  # rank 0 decides, every rank raises alike (a refusal on one rank would hang the others)
+    # rank 0 decides, every rank raises alike (a refusal on one rank would hang the others); rank 0 holds the
+    # directory's save lock for the job (fresh_iteration_dir)
+    refusal = [None]
     if dist.get_rank() == 0:
-        refusal = [save_refusal(directory, iteration)]
-        if refusal[0] is None:
-            if os.path.exists(path) and os.listdir(path):  # the tracker never named it: a run killed while saving
-                shutil.rmtree(path)
-            os.makedirs(path, exist_ok=True)
+        try:
+            why = save_refusal(directory, iteration)
+            if why is not None:
+                refusal = [("FileExistsError", why)]
+            else:
+                fresh_iteration_dir(directory, iteration)
+        except (CheckpointFileError, SaveDirLocked) as e:
+            refusal = [(type(e).__name__, str(e))]
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
-        raise FileExistsError(refusal[0])
+        kind, why = refusal[0]
+        raise {"FileExistsError": FileExistsError, "CheckpointFileError": CheckpointFileError,
+               "SaveDirLocked": SaveDirLocked}[kind](why)
     _gather_updated_params(models, optimizer)
     dist_checkpointing.save(_state(models, optimizer, optim_format, progress, loading=False), path)
     dist.barrier()
