@@ -63,7 +63,9 @@ the distributed optimizer's in `dp_reshardable` or, with `--dist-ckpt-optim-full
 format --, each rank's RNG states and the run's records so far) to DIR/<mode>/iter_<step>; `--load DIR` resumes each
 mode from its newest one and trains on to `--steps`, and its result holds the whole run. A resumed run is the
 uninterrupted run, bit for bit (`--same-bits`; tests/test_mcore_gpu.py kills a run with `--kill-after-step` and
-resumes it). The CPU job takes the same options (its own single-file checkpoints, recipes/moe_gpt_cpu.py).
+resumes it). The CPU job takes the same options (its own single-file checkpoints, recipes/moe_gpt_cpu.py). One job
+saves into a --save directory at a time: a second one stops before any work (megatron_tma.mcore.checkpoint's save
+lock), and --save is checked writable then, as --out is.
 `--same-bits A.json B.json` checks that two results trained their shared modes to the same bits (for options that
 must not change the numbers, such as `--recompute-modules moe_act`, `--recompute-full`, `--overlap-grad-reduce` or
 `--overlap-param-gather`).
@@ -1155,7 +1157,7 @@ def main(argv=None):
             # the job (the other ranks' saves go through rank 0's)
             try:
                 job.enter_context(checkpoint.save_lock(args.save))
-            except checkpoint.SaveDirLocked as e:
+            except (checkpoint.SaveDirLocked, checkpoint.CheckpointFileError) as e:
                 fail(f"--save: {e}")
         try:
             return run_job(args)

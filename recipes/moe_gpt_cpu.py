@@ -30,8 +30,9 @@ last step that gives the same loss again with the FP8 weight copies re-made.
 Checkpoints (`--save DIR --save-interval N`, `--load DIR`, `--kill-after-step N`, as the GPU job): the module's own
 `state_dict` (Transformer Engine's per-expert keys for the experts), the FP32 main weights, AdamW's state, torch's
 RNG state and the run's records, one `torch.save` file per checkpoint in the GPU job's directory layout
-(DIR/<mode>/iter_<step>/state.pt, its SHA-256 in state.pt.sha256, named by the tracker file once written). A load
-checks the checksum and reads with `weights_only=True` (a crafted file cannot run code); a save never writes over a
+(DIR/<mode>/iter_<step>/state.pt, its SHA-256 in state.pt.sha256, named by the tracker file once written), every file
+written and every rule of the directory kept by megatron_tma.mcore.checkpoint's functions, the GPU job's (writes
+never through a link, one saving process per directory, the tracker's rule). A load checks the checksum and reads with `weights_only=True` (a crafted file cannot run code); a save never writes over a
 complete checkpoint nor moves the tracker back; a resume with other training settings than the checkpoint's stops. A resumed run trains the bits of an
 uninterrupted one (tests/test_recipe_moe_gpt_cpu.py kills one with SIGKILL and resumes it).
 """

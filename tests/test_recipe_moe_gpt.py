@@ -341,3 +341,10 @@ def test_one_job_saves_into_a_directory_at_a_time(tmp_path, another_job_saving):
         path = checkpoint.fresh_iteration_dir(str(save), 4)  # a dead job's leftovers now: removed
         assert os.listdir(path) == []
     another_job_saving(save).kill()  # released at the end of the with block: another process takes it
+    other = tmp_path / "other"
+    other.mkdir()
+    os.symlink(tmp_path / "outside.lock", other / checkpoint.LOCK_FILE)  # a link at the lock's name: not followed
+    with pytest.raises(checkpoint.CheckpointFileError, match=r"\.megatron_tma_save\.lock cannot be opened .*a link "
+                                                             "there is never followed"):
+        checkpoint.hold_save_lock(str(other))
+    assert not (tmp_path / "outside.lock").exists()

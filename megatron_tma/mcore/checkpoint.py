@@ -163,7 +163,12 @@ def hold_save_lock(directory: str) -> None:
     if key in _HELD_LOCKS:
         return
     path = os.path.join(directory, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as e:  # a link planted there (ELOOP: never followed), a directory, a permission
+        raise CheckpointFileError(f"{path} cannot be opened as the directory's save lock ({type(e).__name__}: "
+                                  f"{e.strerror or e}); it must be a plain file (a link there is never followed)") \
+            from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
