@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("moe_gpt", os.path.join(ROOT, "recipes", "moe_gpt.py"))
-recipe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(recipe)
-recipe.import_megatron()  # the recipe imports megatron-core for its GPU job only
+sys.path[:0] = [ROOT, os.path.join(ROOT, "recipes")]
+importlib.import_module("moe_gpt_recipe.launch")  # the recipe's package, every module of it
+recipe = importlib.import_module("moe_gpt_recipe")
+recipe.megatron_core.import_megatron()  # the recipe imports megatron-core for its GPU job only
 
 
 def describe(o):
@@ -75,24 +75,24 @@ def main():
         i = argv.index("--mode")
         mode = argv[i + 1]
         del argv[i:i + 2]
-    args = recipe.parse_args(["--steps", "2", "--log-every", "1", "--out", "/tmp/probe_leak", *argv])
+    args = recipe.options.parse_args(["--steps", "2", "--log-every", "1", "--out", "/tmp/probe_leak", *argv])
     torch.use_deterministic_algorithms(True, warn_only=True)
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     args.ep = args.ep or dist.get_world_size()
-    recipe.parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
-    batches, _ = recipe.chain_batches(args, recipe.parallel_state.get_data_parallel_rank())
+    recipe.megatron_core.parallel_state.initialize_model_parallel(expert_model_parallel_size=args.ep)
+    batches, _ = recipe.data.chain_batches(args, recipe.megatron_core.parallel_state.get_data_parallel_rank())
     made = []
-    build = recipe.build
+    build = recipe.training.build
 
     def recording_build(a, m):
         model, optimizer = build(a, m)
         made.append((weakref.ref(model), weakref.ref(model.module.module), weakref.ref(optimizer)))
         return model, optimizer
 
-    recipe.build = recording_build
+    recipe.training.build = recording_build
     before = torch.cuda.memory_allocated()
-    recipe.train(args, mode, dist.get_rank(), batches)
+    recipe.training.train(args, mode, dist.get_rank(), batches)
     gc.collect()
     torch.cuda.synchronize()
     ddp, gpt, opt = made[0]

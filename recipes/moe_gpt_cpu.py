@@ -24,7 +24,7 @@ tokens per expert, the routing probs); around them a small GPT in plain torch: l
 RMSNorm, a top-k router (softmax over the top-k logits, the switch load-balancing aux loss), FP32 main weights with
 AdamW and gradient clipping, the new weights copied into the BF16 parameters through `.data` (as Megatron's
 optimizer does, so the FP8 weight copies are re-made by the optimizer-step signal, not by version counters).
-The checks are the GPU job's (recipes/moe_gpt.py `summarize`): the same initial weights in every mode, every padded
+The checks are the GPU job's (`summarize`, recipes/moe_gpt_recipe/results.py): the same initial weights in every mode, every padded
 mode's per-step losses, grad norms and final parameters equal to the unpadded mode's, and an evaluation after the
 last step that gives the same loss again with the FP8 weight copies re-made.
 Checkpoints (`--save DIR --save-interval N`, `--load DIR`, `--kill-after-step N`, as the GPU job): the module's own
@@ -243,7 +243,7 @@ def load_state(directory, model, main, optimizer):
 
 def train(args, mode, batches, digests, *, check_resume, check_save_target, training_args, aux_coeff=1e-2,
           clip=1.0):
-    """One mode's run on the CPU: the record recipes/moe_gpt.py's `summarize` reads (per-step losses, grad norms and
+    """One mode's run on the CPU: the record `summarize` (recipes/moe_gpt_recipe/results.py) reads (per-step losses, grad norms and
     times, digests of the initial weights and final parameters, the evaluation after the last step before and after
     the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids. The GPU job's
     checks of a resume and of the --save directory (recipes/moe_gpt.py) are passed in."""

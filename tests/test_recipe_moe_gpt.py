@@ -17,13 +17,15 @@ needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 @pytest.fixture(scope="module")
 def recipe():
+    """The recipe's package (recipes/moe_gpt_recipe), every module of it imported (launch imports the others)."""
+    import sys
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
-    spec = importlib.util.spec_from_file_location("moe_gpt", os.path.join(ROOT, "recipes", "moe_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if os.path.join(ROOT, "recipes") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    importlib.import_module("moe_gpt_recipe.launch")
+    return importlib.import_module("moe_gpt_recipe")
 
 
 def test_digests_see_bits_shape_and_dtype(recipe):
@@ -31,7 +33,7 @@ def test_digests_see_bits_shape_and_dtype(recipe):
     b = a.clone()
     c = a.clone()
     c.view(torch.int16).view(-1)[5] += 1  # one element, one ulp
-    d = recipe.digests([("w", a), ("v", b), ("c", c), ("t", a.t()), ("f", a.float()), ("r", a.reshape(6, 4))])
+    d = recipe.training.digests([("w", a), ("v", b), ("c", c), ("t", a.t()), ("f", a.float()), ("r", a.reshape(6, 4))])
     assert d["w"] == d["v"] and d["w"] != d["c"]
     assert len({d["w"], d["t"], d["f"], d["r"]}) == 4  # transposed bits, another dtype, another shape
 
@@ -46,7 +48,7 @@ def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
     base = dict(losses=[7.0, 5.0, 3.0], norms=[2.0, 1.0, 0.5])
     good = {"unpadded": _run(**base), "padded16": _run(**base), "bf16": _run([7.0, 5.1, 3.2], [2.0, 1.1, 0.6]),
             "megatron": _run([7.0, 5.1, 3.1], [2.0, 1.1, 0.6], diffs={"bf16": 8e-6, "unpadded": 2e-3})}
-    report, failures = recipe.summarize(good)
+    report, failures = recipe.results.summarize(good)
     assert failures == []
     assert report["padded16"]["bitexact_losses"] and report["padded16"]["bitexact_params"]
     assert report["unpadded"]["final_window_gap_vs_bf16"] == pytest.approx(-0.2)
@@ -60,9 +62,9 @@ def test_summarize_passes_equal_twins_and_fails_every_difference(recipe):
         ({"unpadded": _run(**base, evals=(2.5, 2.4999998))}, "with the FP8 weights re-quantized"),
     ]
     nondeterministic = {**good, "unpadded": {**_run(**base, evals=(2.5, 2.4999998)), "eval_exact": False}}
-    assert recipe.summarize(nondeterministic)[1] == []  # atomics may move it: reported, not a failure
+    assert recipe.results.summarize(nondeterministic)[1] == []  # atomics may move it: reported, not a failure
     for change, message in bad:
-        _, failures = recipe.summarize({**good, **change})
+        _, failures = recipe.results.summarize({**good, **change})
         assert len(failures) == 1 and message in failures[0], (change, failures)
 
 
@@ -88,30 +90,30 @@ def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
     b = _result(recipe, runs, ["padded16"], tmp_path, "b.json")
     c = _result(recipe, runs, ["padded128"], tmp_path, "c.json")
     out = tmp_path / "merged"
-    assert recipe.compare([a, b], str(out)) == 0
+    assert recipe.results.compare([a, b], str(out)) == 0
     (merged,) = [json.load(open(p)) for p in out.glob("moe_gpt-*.json")]
     assert merged["failures"] == [] and merged["config"]["modes"] == ["unpadded", "padded16"]
     assert merged["summary"]["padded16"]["bitexact_params"] and len(merged["rows"]) == 6
     assert merged["summary"]["unpadded"]["peak_mb"] == 900.0 and merged["summary"]["padded16"]["peak_mb"] == 1000.0
-    assert recipe.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
+    assert recipe.results.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
     e = _result(recipe, {"padded128": _run(**base)}, ["padded128"], tmp_path, "e.json")
-    assert recipe.compare([str(next(out.glob("moe_gpt-*.json"))), e], str(tmp_path / "nested")) == 0  # of a merge
+    assert recipe.results.compare([str(next(out.glob("moe_gpt-*.json"))), e], str(tmp_path / "nested")) == 0  # of a merge
     (nested,) = [json.load(open(p)) for p in (tmp_path / "nested").glob("moe_gpt-*.json")]
     assert [m["command"] for m in nested["merged_from"]] == [
         "torchrun recipes/moe_gpt.py --modes unpadded", "torchrun recipes/moe_gpt.py --modes padded16",
         "torchrun recipes/moe_gpt.py --modes padded128"]
     d = _result(recipe, runs, ["padded16"], tmp_path, "d.json", hidden=2048)
     with pytest.raises(SystemExit, match="different settings"):
-        recipe.compare([a, d], str(tmp_path / "merged3"))
+        recipe.results.compare([a, d], str(tmp_path / "merged3"))
     with pytest.raises(SystemExit, match="more than one result"):
-        recipe.compare([a, a], str(tmp_path / "merged4"))
+        recipe.results.compare([a, a], str(tmp_path / "merged4"))
 
 
 def test_step_time_is_the_median_of_the_second_half(recipe):
     # Megatron's own experts took ~15 steps to settle at DeepSeek-V3-like size (1190 -> 420 ms): warm-up is not speed
     run = _run([7.0] * 6, [1.0] * 6)
     run["times"] = [1190.0, 650.0, 580.0, 430.0, 420.0, 425.0]
-    report, _ = recipe.summarize({"megatron": run})
+    report, _ = recipe.results.summarize({"megatron": run})
     assert report["megatron"]["ms_per_step_median"] == 425.0
 
 
@@ -122,30 +124,30 @@ def test_same_bits_compares_two_runs_mode_by_mode(recipe, tmp_path, capsys):
     runs = {"unpadded": _run(**base), "bf16": _run([7.0, 5.1, 3.2], [2.0, 1.1, 0.6])}
     a = _result(recipe, runs, ["unpadded", "bf16"], tmp_path, "a.json")
     b = _result(recipe, {"unpadded": _run(**base)}, ["unpadded"], tmp_path, "b.json", recompute_modules=["moe_act"])
-    assert recipe.same_bits(a, b) == 0 and "unpadded: 3 / 3 steps, the same bits" in capsys.readouterr().out
+    assert recipe.results.same_bits(a, b) == 0 and "unpadded: 3 / 3 steps, the same bits" in capsys.readouterr().out
     for change, what in ((dict(params="q"), "param_digests"), (dict(init="j"), "init_digests"),
                          (dict(losses=[7.0, 5.0, 3.0000002]), "losses"), (dict(norms=[2.0, 1.0, 0.6]), "grad_norms")):
         c = _result(recipe, {"unpadded": _run(**{**base, **change})}, ["unpadded"], tmp_path, "c.json")
-        assert recipe.same_bits(a, c) == 1 and f"differs: unpadded: {what}" in capsys.readouterr().out
+        assert recipe.results.same_bits(a, c) == 1 and f"differs: unpadded: {what}" in capsys.readouterr().out
     d = _result(recipe, {"padded16": _run(**base)}, ["padded16"], tmp_path, "d.json")
     with pytest.raises(SystemExit, match="no mode in common"):
-        recipe.same_bits(a, d)
+        recipe.results.same_bits(a, d)
 
 
 def test_recompute_options_are_megatrons_config_fields(recipe):
-    assert recipe.recompute_settings(recipe.parse_args([])) == {}
-    assert recipe.recompute_settings(recipe.parse_args(["--recompute-modules", "moe_act", "core_attn"])) == dict(
+    assert recipe.model.recompute_settings(recipe.options.parse_args([])) == {}
+    assert recipe.model.recompute_settings(recipe.options.parse_args(["--recompute-modules", "moe_act", "core_attn"])) == dict(
         recompute_granularity="selective", recompute_modules=["moe_act", "core_attn"])
-    assert recipe.recompute_settings(recipe.parse_args(["--recompute-full"]))["recompute_granularity"] == "full"
+    assert recipe.model.recompute_settings(recipe.options.parse_args(["--recompute-full"]))["recompute_granularity"] == "full"
     with pytest.raises(SystemExit):  # one or the other
-        recipe.parse_args(["--recompute-full", "--recompute-modules", "moe"])
+        recipe.options.parse_args(["--recompute-full", "--recompute-modules", "moe"])
 
 
 def test_data_parallel_options_are_megatrons_config_fields(recipe):
-    plain = recipe.ddp_settings(recipe.parse_args([]))
+    plain = recipe.model.ddp_settings(recipe.options.parse_args([]))
     assert plain == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
                          overlap_param_gather=False)
-    overlapped = recipe.ddp_settings(recipe.parse_args(["--distributed-optimizer", "--overlap-grad-reduce",
+    overlapped = recipe.model.ddp_settings(recipe.options.parse_args(["--distributed-optimizer", "--overlap-grad-reduce",
                                                         "--overlap-param-gather", "--ddp-bucket-size", "100000"]))
     assert overlapped == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
                               overlap_param_gather=True, bucket_size=100000)
@@ -153,47 +155,55 @@ def test_data_parallel_options_are_megatrons_config_fields(recipe):
     # overlapped reduce-scatter
     for missing in (["--overlap-grad-reduce"], ["--distributed-optimizer"]):
         with pytest.raises(SystemExit):
-            recipe.parse_args(["--overlap-param-gather", *missing])
+            recipe.options.parse_args(["--overlap-param-gather", *missing])
 
 
 def test_virtual_pipeline_chunks_are_named_apart(recipe):
     """With --vpp every chunk's weights get their own prefix, so that digests of two chunks' equally named layers
     stay apart; a single chunk keeps Megatron's names. --vpp without pipeline stages is refused."""
     one, two = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    assert [n for n, _ in recipe.named_parameters([one])] == ["weight", "bias"]
-    assert [n for n, _ in recipe.named_parameters([one, two])] == [
+    assert [n for n, _ in recipe.model.named_parameters([one])] == ["weight", "bias"]
+    assert [n for n, _ in recipe.model.named_parameters([one, two])] == [
         "chunk0.weight", "chunk0.bias", "chunk1.weight", "chunk1.bias"]
-    assert [n for n, _ in recipe.canonical_weights([one, two])][2:] == ["chunk1.weight", "chunk1.bias"]
-    assert recipe.parse_args(["--pp", "2", "--vpp", "2"]).vpp == 2
+    assert [n for n, _ in recipe.model.canonical_weights([one, two])][2:] == ["chunk1.weight", "chunk1.bias"]
+    assert recipe.options.parse_args(["--pp", "2", "--vpp", "2"]).vpp == 2
     for bad in (["--vpp", "2"], ["--pp", "2", "--vpp", "0"]):
         with pytest.raises(SystemExit):
-            recipe.parse_args(bad)
+            recipe.options.parse_args(bad)
 
 
 @needs_megatron
 def test_megatron_is_imported_for_the_gpu_job_only(recipe):
-    """The GPU job's megatron-core modules become the recipe's globals when preflight imports them (the CPU job,
-    --plot, --compare and --same-bits never import megatron-core)."""
-    assert recipe.import_megatron() is None
-    assert recipe.GPTModel.__name__ == "GPTModel" and recipe.parallel_state.__name__ == "megatron.core.parallel_state"
+    """The GPU job's megatron-core modules become attributes of the recipe's megatron_core module when preflight
+    imports them (the CPU job, --plot, --compare and --same-bits never import megatron-core); every `mc.<name>` the
+    recipe's modules read is one of them."""
+    import glob
+    import re
+
+    mc = recipe.megatron_core
+    assert mc.import_megatron() is None
+    assert mc.GPTModel.__name__ == "GPTModel" and mc.parallel_state.__name__ == "megatron.core.parallel_state"
     for name in ("DistributedDataParallel", "DistributedDataParallelConfig", "finalize_model_grads",
                  "get_gpt_layer_local_spec", "OptimizerConfig", "get_megatron_optimizer", "get_forward_backward_func",
                  "get_cuda_rng_tracker", "get_expert_parallel_rng_tracker_name", "model_parallel_cuda_manual_seed",
                  "Float16Module", "TransformerConfig", "layer_spec_from_config"):
-        assert callable(getattr(recipe, name)), name
+        assert callable(getattr(mc, name)), name
+    read = {name for path in glob.glob(os.path.join(ROOT, "recipes", "moe_gpt_recipe", "*.py"))
+            for name in re.findall(r"\bmc\.(\w+)", open(path).read())}
+    assert "GPTModel" in read and [name for name in sorted(read) if not hasattr(mc, name)] == []
 
 
 def test_checkpoint_options_are_megatron_lms(recipe):
     """--save / --save-interval / --load / --dist-ckpt-optim-fully-reshardable as Megatron-LM names them, refused
     where they would do nothing."""
-    args = recipe.parse_args(["--save", "d", "--save-interval", "5", "--distributed-optimizer",
+    args = recipe.options.parse_args(["--save", "d", "--save-interval", "5", "--distributed-optimizer",
                               "--dist-ckpt-optim-fully-reshardable"])
-    assert (args.save, args.save_interval, recipe.optim_format(args)) == ("d", 5, "fully_reshardable")
-    assert recipe.optim_format(recipe.parse_args([])) == "dp_reshardable"
+    assert (args.save, args.save_interval, recipe.checkpoints.optim_format(args)) == ("d", 5, "fully_reshardable")
+    assert recipe.checkpoints.optim_format(recipe.options.parse_args([])) == "dp_reshardable"
     for bad in (["--save", "d"], ["--save-interval", "5"], ["--save", "d", "--save-interval", "0"],
                 ["--dist-ckpt-optim-fully-reshardable"], ["--cpu", "--save", "d"]):
         with pytest.raises(SystemExit):
-            recipe.parse_args(bad)
+            recipe.options.parse_args(bad)
 
 
 def test_checkpoint_tracker_names_the_newest_complete_checkpoint(tmp_path):
@@ -213,13 +223,13 @@ def test_tokens_per_second_per_gpu(recipe):
     step time, per GPU: what scaling runs compare across expert-parallel sizes."""
     run = _run([7.0] * 4, [1.0] * 4)
     run["times"] = [900.0, 800.0, 500.0, 500.0]  # median of the second half: 500 ms
-    report, _ = recipe.summarize({"unpadded": run})
+    report, _ = recipe.results.summarize({"unpadded": run})
     config = {"micro_batches": 2, "micro_batch_size": 4, "seq_len": 1024, "pp": 2}
-    recipe.add_throughput(report, config, world=8)
+    recipe.results.add_throughput(report, config, world=8)
     # 4 data-parallel ranks x 2 x 4 x 1024 tokens = 32768 per step, in 0.5 s, over 8 GPUs
     assert report["unpadded"]["tokens_per_s_per_gpu"] == 8192.0
-    bare = recipe.summarize({"unpadded": run})[0]
-    recipe.add_throughput(bare, {"steps": 3}, world=1)  # a result without the batch settings: nothing made up
+    bare = recipe.results.summarize({"unpadded": run})[0]
+    recipe.results.add_throughput(bare, {"steps": 3}, world=1)  # a result without the batch settings: nothing made up
     assert "tokens_per_s_per_gpu" not in bare["unpadded"]
 
 
@@ -235,7 +245,7 @@ def test_scaling_runs_are_valid_recipe_runs(recipe, nproc):
     assert [line.split()[0] for line in lines] == [f"ep{nproc}", f"ep{nproc}-distopt", f"ep{nproc // 2}-pp2",
                                                    f"ep{nproc // 2}-etp2"]
     for line in lines:
-        args = recipe.parse_args(line.split()[1:])
+        args = recipe.options.parse_args(line.split()[1:])
         assert args.topk == 8 and args.experts == 64 and args.experts % args.ep == 0
         assert args.ep * args.etp * args.pp <= nproc and (nproc // args.pp) % (args.ep * args.etp) == 0
         assert args.layers % args.pp == 0 and "unpadded" in args.modes and "padded16" in args.modes

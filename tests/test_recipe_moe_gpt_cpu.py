@@ -21,10 +21,11 @@ needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("moe_gpt_recipe_cpu_tests", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The recipe's package (recipes/moe_gpt_recipe), every module of it imported (launch imports the others)."""
+    if os.path.join(ROOT, "recipes") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    importlib.import_module("moe_gpt_recipe.launch")
+    return importlib.import_module("moe_gpt_recipe")
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_cpu_job_fails_when_a_twin_differs_by_one_ulp(recipe, torch_settings, tm
 
     monkeypatch.setattr(GroupedFP8MLP, "forward", off_by_one_ulp)
     argv = [*TINY, "--steps", "2", "--modes", "unpadded", "padded16", "--out", str(tmp_path)]
-    assert recipe.main(argv) == 1
+    assert recipe.launch.main(argv) == 1
     out = capsys.readouterr().out
     assert "NOT bit for bit: unpadded vs padded16" in out and "padded16 differs from unpadded" in out
 
@@ -94,12 +95,12 @@ def test_plot_draws_into_out_and_never_over_a_plot(recipe, cpu_run, tmp_path):
     _, out = cpu_run
     (path,) = glob.glob(str(out / "moe_gpt-*.json"))
     before = sorted(os.listdir(out))
-    assert recipe.main(["--plot", path, "--out", str(tmp_path / "redrawn")]) == 0
+    assert recipe.launch.main(["--plot", path, "--out", str(tmp_path / "redrawn")]) == 0
     assert os.listdir(tmp_path / "redrawn") == [os.path.basename(path)[:-len(".json")] + ".png"]
     assert sorted(os.listdir(out)) == before  # the result's own plot untouched
     for target in (tmp_path / "redrawn", out):  # a plot there already: refused, in one line
         with pytest.raises(SystemExit, match=r"^moe_gpt.py: .*\.png exists; --plot draws into --out") as e:
-            recipe.main(["--plot", path, "--out", str(target)])
+            recipe.launch.main(["--plot", path, "--out", str(target)])
         assert "\n" not in str(e.value.code)
 
 
@@ -138,11 +139,11 @@ def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
                    ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"]):
         with pytest.raises(SystemExit) as e:
-            recipe.parse_args(["--cpu", *option])
+            recipe.options.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
-    args = recipe.parse_args(["--cpu", "--steps", "7"])
-    assert args.steps == 7 and args.hidden == recipe.CPU_SIZE["hidden"] and args.modes == list(recipe.CPU_MODES)
-    assert recipe.parse_args([]).hidden == 1024 and "megatron" in recipe.parse_args([]).modes  # the GPU job's
+    args = recipe.options.parse_args(["--cpu", "--steps", "7"])
+    assert args.steps == 7 and args.hidden == recipe.options.CPU_SIZE["hidden"] and args.modes == list(recipe.options.CPU_MODES)
+    assert recipe.options.parse_args([]).hidden == 1024 and "megatron" in recipe.options.parse_args([]).modes  # the GPU job's
 
 
 def test_device_token_counts_is_reported_per_layer_and_resumes_either_way(recipe, monkeypatch, capsys):
@@ -154,16 +155,16 @@ def test_device_token_counts_is_reported_per_layer_and_resumes_either_way(recipe
         asked.append(model)
         return {"decoder.layers.0.mlp": None, "decoder.layers.1.mlp": "the dispatcher is X"}
 
-    monkeypatch.setattr(recipe, "keep_token_counts_on_device", keep)
-    off, on = recipe.parse_args([]), recipe.parse_args(["--device-token-counts"])
-    assert recipe.device_token_counts(off, "unpadded", ["chunk"], 0) is None and asked == []
-    got = recipe.device_token_counts(on, "unpadded", ["a", "b"], 0)
+    monkeypatch.setattr(recipe.training, "keep_token_counts_on_device", keep)
+    off, on = recipe.options.parse_args([]), recipe.options.parse_args(["--device-token-counts"])
+    assert recipe.training.device_token_counts(off, "unpadded", ["chunk"], 0) is None and asked == []
+    got = recipe.training.device_token_counts(on, "unpadded", ["a", "b"], 0)
     assert asked == ["a", "b"] and got == {"chunk0.decoder.layers.0.mlp": None,
                                            "chunk0.decoder.layers.1.mlp": "the dispatcher is X",
                                            "chunk1.decoder.layers.0.mlp": None,
                                            "chunk1.decoder.layers.1.mlp": "the dispatcher is X"}
     assert "token counts on the GPU in 2 of 4 MoE layers; the others: the dispatcher is X" in capsys.readouterr().out
-    assert recipe.training_args(off) == recipe.training_args(on)
+    assert recipe.checkpoints.training_args(off) == recipe.checkpoints.training_args(on)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -176,29 +177,29 @@ def gpu_job(recipe, monkeypatch, torch_settings):
     """The GPU job's preconditions all met (monkeypatched), torchrun's environment set, and a process group that
     must not be reached: each test then takes one piece away."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(recipe, "MEGATRON_PYTHON", (3, 0))
-    monkeypatch.setattr(recipe, "import_megatron", lambda: None)
-    monkeypatch.setattr(recipe, "cuda_kernels_available", lambda device=None: True)
+    monkeypatch.setattr(recipe.megatron_core, "MEGATRON_PYTHON", (3, 0))
+    monkeypatch.setattr(recipe.megatron_core, "import_megatron", lambda: None)
+    monkeypatch.setattr(recipe.launch, "cuda_kernels_available", lambda device=None: True)
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         monkeypatch.setenv(key, value)
 
     def reached(*args, **kwargs):
         raise AssertionError("the distributed set-up was reached")
 
-    monkeypatch.setattr(recipe.dist, "init_process_group", reached)
+    monkeypatch.setattr(recipe.launch.dist, "init_process_group", reached)
     return recipe
 
 
 def _one_line(recipe, argv, message):
     with pytest.raises(SystemExit) as e:
-        recipe.main(argv)
+        recipe.launch.main(argv)
     text = str(e.value.code)
     assert text.startswith("moe_gpt.py: ") and "\n" not in text and message in text, text
 
 
 def test_the_gpu_job_reaches_the_distributed_set_up_when_nothing_is_missing(gpu_job, tmp_path):
     with pytest.raises(AssertionError, match="distributed set-up was reached"):
-        gpu_job.main(["--out", str(tmp_path)])
+        gpu_job.launch.main(["--out", str(tmp_path)])
 
 
 def test_no_gpu(gpu_job, monkeypatch, tmp_path):
@@ -209,23 +210,23 @@ def test_no_gpu(gpu_job, monkeypatch, tmp_path):
 
 def test_wrong_python(gpu_job, monkeypatch, tmp_path):
     newer = (sys.version_info.major, sys.version_info.minor + 1)
-    monkeypatch.setattr(gpu_job, "MEGATRON_PYTHON", newer)
+    monkeypatch.setattr(gpu_job.megatron_core, "MEGATRON_PYTHON", newer)
     _one_line(gpu_job, ["--out", str(tmp_path)],
               f"megatron-core 0.19 needs Python >= {newer[0]}.{newer[1]}, this is {sys.version.split()[0]}")
 
 
 def test_no_megatron_core(gpu_job, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_job, "import_megatron", lambda: ModuleNotFoundError("No module named 'megatron'"))
+    monkeypatch.setattr(gpu_job.megatron_core, "import_megatron", lambda: ModuleNotFoundError("No module named 'megatron'"))
     _one_line(gpu_job, ["--out", str(tmp_path)],
               "megatron-core cannot be imported (ModuleNotFoundError: No module named 'megatron')")
 
 
 def test_no_kernels(gpu_job, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_job, "cuda_kernels_available", lambda device=None: False)
+    monkeypatch.setattr(gpu_job.launch, "cuda_kernels_available", lambda device=None: False)
     _one_line(gpu_job, ["--out", str(tmp_path)], "megatron_tma's CUDA kernels cannot run here")
     # Megatron's own experts alone need no kernels
     with pytest.raises(AssertionError, match="distributed set-up was reached"):
-        gpu_job.main(["--modes", "megatron", "--out", str(tmp_path)])
+        gpu_job.launch.main(["--modes", "megatron", "--out", str(tmp_path)])
 
 
 def test_no_torchrun(gpu_job, monkeypatch, tmp_path):
@@ -269,7 +270,7 @@ SHORT = [*TINY, "--steps", "2", "--modes", "unpadded"]
 def saved(recipe, torch_settings, tmp_path):
     """A complete run of SHORT that saved after each of its 2 steps into tmp_path/ckpt: (argv, the mode's dir)."""
     argv = [*SHORT, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]
-    assert recipe.main([*argv, "--out", str(tmp_path / "first")]) == 0
+    assert recipe.launch.main([*argv, "--out", str(tmp_path / "first")]) == 0
     mode_dir = tmp_path / "ckpt" / "unpadded"
     assert (mode_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
     return argv, mode_dir
@@ -277,7 +278,7 @@ def saved(recipe, torch_settings, tmp_path):
 
 def _resume_stops(recipe, argv, capsys, *words):
     with pytest.raises(SystemExit) as e:
-        recipe.main(argv)
+        recipe.launch.main(argv)
     text = str(e.value.code)
     assert "\n" not in text and all(w in text for w in words), text
     assert "step    0" not in capsys.readouterr().out  # stopped before any training
@@ -342,7 +343,7 @@ def test_a_resume_with_other_training_settings_stops_and_names_each(recipe, save
     assert "iter_0000002" in text and "--vocab" not in text
     _resume_stops(recipe, [*plain, *load, "--steps", "3"], capsys, "--steps 2 there, 3 here")
     # the same settings resume (nothing left to train: the checkpoint is at the last step)
-    assert recipe.main([*plain, *load]) == 0
+    assert recipe.launch.main([*plain, *load]) == 0
     (result,) = glob.glob(str(tmp_path / "resumed" / "moe_gpt-*.json"))
     assert json.load(open(result))["records"]["unpadded"]["resumed_from_step"] == 2
 
@@ -353,7 +354,7 @@ def test_load_of_a_missing_directory_says_so(recipe, torch_settings, tmp_path, c
     _resume_stops(recipe, [*SHORT, "--load", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")], capsys,
                   "--load", "nowhere", "no such directory")
     (tmp_path / "empty").mkdir()
-    assert recipe.main([*SHORT, "--load", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 0
+    assert recipe.launch.main([*SHORT, "--load", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 0
     assert "no checkpoint in" in capsys.readouterr().out
 
 
@@ -384,12 +385,12 @@ def test_two_runs_into_one_out_keep_both_results(recipe, torch_settings, tmp_pat
         def now(cls, tz=None):
             return fixed
 
-    monkeypatch.setattr(recipe.datetime, "datetime", Frozen)
+    monkeypatch.setattr(recipe.results.datetime, "datetime", Frozen)
     argv = [*TINY, "--steps", "1", "--modes", "unpadded", "--out", str(tmp_path)]
-    assert recipe.main(argv) == 0 and recipe.main([*argv, "--seed", "5"]) == 0
+    assert recipe.launch.main(argv) == 0 and recipe.launch.main([*argv, "--seed", "5"]) == 0
     results = sorted(glob.glob(str(tmp_path / "moe_gpt-*.json")))
     assert [os.path.basename(p) for p in results] == ["moe_gpt-20261203-1200-2.json", "moe_gpt-20261203-1200.json"]
-    assert {json.load(open(p))["config"]["seed"] for p in results} == {5, recipe.parse_args(argv).seed}
+    assert {json.load(open(p))["config"]["seed"] for p in results} == {5, recipe.options.parse_args(argv).seed}
     assert all(os.path.exists(p[:-len(".json")] + ".png") for p in results)
 
 
@@ -417,28 +418,28 @@ def test_an_unwritable_out_is_found_before_training(recipe, torch_settings, tmp_
 def test_bad_sizes_stop_in_one_line_naming_the_option(recipe, capsys, option, rule):
     """Issue 34 item 7: these reached the training loop (IndexError, ZeroDivisionError, reshape errors)."""
     with pytest.raises(SystemExit) as e:
-        recipe.parse_args(["--cpu", *option])
+        recipe.options.parse_args(["--cpu", *option])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and rule in err, err
 
 
 def test_the_gpu_jobs_resume_checks_the_settings_too(recipe, tmp_path, monkeypatch):
-    """Issue 34 item 4 for the GPU job (recipes/moe_gpt.py `resume`): the same check as the CPU job's, on what
+    """Issue 34 item 4 for the GPU job (`resume`, recipes/moe_gpt_recipe/checkpoints.py): the same check as the CPU job's, on what
     megatron_tma.mcore.checkpoint.load_checkpoint hands back (stood in for: no Megatron or GPU here)."""
-    args = recipe.parse_args(["--load", str(tmp_path), "--steps", "4"])
-    saved = {"losses": [1.0, 0.5], "train_args": {**recipe.training_args(args), "lr": 1.0, "seed": 9}}
-    monkeypatch.setattr(recipe.checkpoint, "latest_iteration", lambda directory: 2)
-    monkeypatch.setattr(recipe.checkpoint, "load_checkpoint", lambda directory, models, optimizer: (2, saved))
-    monkeypatch.setattr(recipe.dist, "get_rank", lambda: 0, raising=False)
+    args = recipe.options.parse_args(["--load", str(tmp_path), "--steps", "4"])
+    saved = {"losses": [1.0, 0.5], "train_args": {**recipe.checkpoints.training_args(args), "lr": 1.0, "seed": 9}}
+    monkeypatch.setattr(recipe.checkpoints.checkpoint, "latest_iteration", lambda directory: 2)
+    monkeypatch.setattr(recipe.checkpoints.checkpoint, "load_checkpoint", lambda directory, models, optimizer: (2, saved))
+    monkeypatch.setattr(recipe.launch.dist, "get_rank", lambda: 0, raising=False)
     with pytest.raises(SystemExit) as e:
-        recipe.resume(args, "unpadded", None, None)
+        recipe.checkpoints.resume(args, "unpadded", None, None)
     assert "--lr 1.0 there, 0.0003 here" in str(e.value.code) and "--seed 9 there, 1234 here" in str(e.value.code)
-    saved["train_args"] = recipe.training_args(args)
-    assert recipe.resume(args, "unpadded", None, None) == (2, saved)
+    saved["train_args"] = recipe.checkpoints.training_args(args)
+    assert recipe.checkpoints.resume(args, "unpadded", None, None) == (2, saved)
     del saved["train_args"]
     with pytest.raises(SystemExit, match="holds no record of the settings"):
-        recipe.resume(args, "unpadded", None, None)
+        recipe.checkpoints.resume(args, "unpadded", None, None)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -450,24 +451,24 @@ TE_FP8 = ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "-
 
 
 def test_transformer_impl_options_are_megatron_lms(recipe):
-    args = recipe.parse_args([])
+    args = recipe.options.parse_args([])
     assert args.transformer_impl == "local" and args.fp8_format is None  # the default runs without TE
     assert args.modes == ["unpadded", "padded16", "padded128", "bf16", "megatron"]
-    args = recipe.parse_args(TE_FP8)
+    args = recipe.options.parse_args(TE_FP8)
     assert args.modes == ["unpadded", "padded16", "padded128", "bf16", "te"]  # Megatron's own experts: TEGroupedMLP
-    settings = recipe.model_settings(args)
+    settings = recipe.model.model_settings(args)
     assert settings["transformer_impl"] == "transformer_engine"
     assert (settings["fp8"], settings["fp8_recipe"]) == ("e4m3", "blockwise")
     assert settings["deterministic_mode"] is True  # TE's attention, deterministic (bit-for-bit twins)
     # never Megatron's routing-map padding for FP8: megatron_tma's experts need none, TEGroupedMLP pads itself
     assert not any("padding" in k for k in settings)
-    assert "fp8" not in recipe.model_settings(recipe.parse_args([]))
-    assert "deterministic_mode" not in recipe.model_settings(recipe.parse_args([*TE_FP8, "--nondeterministic"]))
-    assert recipe.parse_args(["--transformer-impl", "transformer_engine"]).modes == list(recipe.MODES)  # no FP8: no te
+    assert "fp8" not in recipe.model.model_settings(recipe.options.parse_args([]))
+    assert "deterministic_mode" not in recipe.model.model_settings(recipe.options.parse_args([*TE_FP8, "--nondeterministic"]))
+    assert recipe.options.parse_args(["--transformer-impl", "transformer_engine"]).modes == list(recipe.options.MODES)  # no FP8: no te
     # the options change what a run trains: a resume checks them; checkpoints saved before them trained the defaults
-    assert {"transformer_impl", "fp8_format", "fp8_recipe", "shared_expert_ffn"} <= set(recipe.training_args(args))
-    old = {k: v for k, v in recipe.training_args(recipe.parse_args([])).items() if k not in recipe.ADDED_OPTIONS}
-    recipe.check_resume(recipe.parse_args([]), {"train_args": old}, "ckpt")  # no SystemExit
+    assert {"transformer_impl", "fp8_format", "fp8_recipe", "shared_expert_ffn"} <= set(recipe.checkpoints.training_args(args))
+    old = {k: v for k, v in recipe.checkpoints.training_args(recipe.options.parse_args([])).items() if k not in recipe.checkpoints.ADDED_OPTIONS}
+    recipe.checkpoints.check_resume(recipe.options.parse_args([]), {"train_args": old}, "ckpt")  # no SystemExit
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -481,7 +482,7 @@ def test_transformer_impl_options_are_megatron_lms(recipe):
 ])
 def test_transformer_impl_refusals(recipe, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        recipe.parse_args(argv)
+        recipe.options.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -489,17 +490,17 @@ def test_transformer_impl_refusals(recipe, capsys, argv, message):
 def test_cpu_job_refuses_the_transformer_engine_options(recipe, capsys):
     for option in (TE_FP8, ["--transformer-impl", "transformer_engine"], ["--shared-expert-ffn", "128"]):
         with pytest.raises(SystemExit):
-            recipe.parse_args(["--cpu", *option])
+            recipe.options.parse_args(["--cpu", *option])
         assert "the GPU job's options" in capsys.readouterr().err
 
 
 def test_dsv3_like_preset_is_a_fine_grained_moe_and_options_override_it(recipe):
-    args = recipe.parse_args(["--preset", "dsv3-like", *TE_FP8, "--modes", "unpadded", "te", "bf16"])
+    args = recipe.options.parse_args(["--preset", "dsv3-like", *TE_FP8, "--modes", "unpadded", "te", "bf16"])
     assert args.topk >= 4 and args.experts >= 32 and args.expert_ffn < args.hidden  # fine-grained experts
     assert args.shared_expert_ffn and args.expert_ffn % 128 == 0 and args.steps >= 300
     assert args.steps - args.steps // 2 >= 50  # timed steps after warm-up (the second half)
-    assert recipe.parse_args(["--preset", "dsv3-like", "--hidden", "1024"]).hidden == 1024
-    assert recipe.bad_sizes(args) is None
+    assert recipe.options.parse_args(["--preset", "dsv3-like", "--hidden", "1024"]).hidden == 1024
+    assert recipe.options.bad_sizes(args) is None
 
 
 @pytest.mark.parametrize("preset, shape", [
@@ -509,16 +510,16 @@ def test_dsv3_like_preset_is_a_fine_grained_moe_and_options_override_it(recipe):
     ("dsv3-rank", (7168, 32, 2048, 8, 128, 8, 128, 4096, 2048)),
 ])
 def test_model_presets_are_the_real_models_layers_with_gradient_accumulation(recipe, preset, shape):
-    args = recipe.parse_args(["--preset", preset, *TE_FP8, "--modes", "unpadded", "te", "bf16"])
+    args = recipe.options.parse_args(["--preset", preset, *TE_FP8, "--modes", "unpadded", "te", "bf16"])
     assert (args.hidden, args.experts, args.expert_ffn, args.topk, args.heads, args.num_query_groups,
             args.kv_channels, args.seq_len, args.shared_expert_ffn) == shape
     assert args.qk_layernorm == (preset == "qwen3-30b")  # Qwen3's attention normalizes each query and key head
     assert args.micro_batches >= 4 and args.micro_batch_size == 1 and args.steps >= 300
-    assert recipe.bad_sizes(args) is None
-    settings = recipe.model_settings(args)  # what reaches Megatron's TransformerConfig
+    assert recipe.options.bad_sizes(args) is None
+    settings = recipe.model.model_settings(args)  # what reaches Megatron's TransformerConfig
     assert (settings["num_query_groups"], settings["kv_channels"], settings["qk_layernorm"]) == (
         args.num_query_groups, args.kv_channels, args.qk_layernorm)
-    assert recipe.parse_args(["--preset", preset, "--layers", "1"]).layers == 1  # options override it
+    assert recipe.options.parse_args(["--preset", preset, "--layers", "1"]).layers == 1  # options override it
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -529,10 +530,10 @@ def test_model_presets_are_the_real_models_layers_with_gradient_accumulation(rec
 ])
 def test_attention_shape_refusals_are_one_line(recipe, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
-        recipe.parse_args(argv)
+        recipe.options.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
-    assert recipe.bad_sizes(recipe.parse_args(["--hidden", "1024", "--heads", "24", "--kv-channels", "64"])) is None
+    assert recipe.options.bad_sizes(recipe.options.parse_args(["--hidden", "1024", "--heads", "24", "--kv-channels", "64"])) is None
 
 
 def test_device_busy_is_the_union_of_the_devices_intervals(recipe):
@@ -549,11 +550,11 @@ def test_device_busy_is_the_union_of_the_devices_intervals(recipe):
             return [Event(0, 1000), Event(500, 1500), Event(3000, 3500), Event(0, 9000, torch.autograd.DeviceType.CPU),
                     Event(4000, 4000), Event(3100, 3200)]
 
-    assert recipe.device_busy_ms(Profiler()) == 2.0
+    assert recipe.timing.device_busy_ms(Profiler()) == 2.0
 
 
 def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_job, "te_import_error",
+    monkeypatch.setattr(gpu_job.megatron_core, "te_import_error",
                         lambda: ModuleNotFoundError("No module named 'transformer_engine'"))
     _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8],
               "--transformer-impl transformer_engine needs Transformer Engine, which cannot be imported "
@@ -564,25 +565,25 @@ def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monke
               "--transformer-impl transformer_engine and --moe-permute-fusion need Transformer Engine")
     # the local spec never asks for TE
     with pytest.raises(AssertionError, match="distributed set-up was reached"):
-        gpu_job.main(["--out", str(tmp_path)])
+        gpu_job.launch.main(["--out", str(tmp_path)])
 
 
 def test_moe_permute_fusion_is_megatron_lms_option(recipe):
     """--moe-permute-fusion sets Megatron's config field in every mode; it is a training setting (TE's fused
     un-permutation may sum in another order), which checkpoints saved before it trained without."""
-    assert recipe.model_settings(recipe.parse_args([*TE_FP8, "--moe-permute-fusion"]))["moe_permute_fusion"] is True
-    assert "moe_permute_fusion" not in recipe.model_settings(recipe.parse_args(TE_FP8))
-    args = recipe.parse_args(["--moe-permute-fusion"])
-    assert recipe.training_args(args)["moe_permute_fusion"] is True
-    old = {k: v for k, v in recipe.training_args(recipe.parse_args([])).items() if k != "moe_permute_fusion"}
-    recipe.check_resume(recipe.parse_args([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
+    assert recipe.model.model_settings(recipe.options.parse_args([*TE_FP8, "--moe-permute-fusion"]))["moe_permute_fusion"] is True
+    assert "moe_permute_fusion" not in recipe.model.model_settings(recipe.options.parse_args(TE_FP8))
+    args = recipe.options.parse_args(["--moe-permute-fusion"])
+    assert recipe.checkpoints.training_args(args)["moe_permute_fusion"] is True
+    old = {k: v for k, v in recipe.checkpoints.training_args(recipe.options.parse_args([])).items() if k != "moe_permute_fusion"}
+    recipe.checkpoints.check_resume(recipe.options.parse_args([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
     with pytest.raises(SystemExit, match="--moe-permute-fusion False there, True here"):
-        recipe.check_resume(args, {"train_args": old}, "ckpt")
+        recipe.checkpoints.check_resume(args, {"train_args": old}, "ckpt")
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here")
 def test_transformer_engine_really_missing(gpu_job, tmp_path):
-    assert gpu_job.te_import_error() is not None
+    assert gpu_job.megatron_core.te_import_error() is not None
     _one_line(gpu_job, ["--out", str(tmp_path), *TE_FP8], "needs Transformer Engine")
 
 
@@ -592,9 +593,9 @@ def test_head_to_head_ratios_and_targets(recipe):
                 "init_digests": [{}], "param_digests": [{}], "peak_mb": peak,
                 "experts_share": [{"experts_ms": 0.4 * ms, "step_ms": ms, "share": 0.4}] * 3}
     runs = {"unpadded": run(100.0, 900.0, 3.00), "te": run(125.0, 1000.0, 3.02), "bf16": run(105.0, 950.0, 2.90)}
-    report, failures = recipe.summarize(runs)
+    report, failures = recipe.results.summarize(runs)
     assert failures == [] and report["unpadded"]["experts_share_of_step"] == 0.4
-    h2h = recipe.head_to_head(runs, report)
+    h2h = recipe.results.head_to_head(runs, report)
     te, bf16 = h2h["unpadded_vs_te"], h2h["unpadded_vs_bf16"]
     assert te["speedup"] == pytest.approx(1.25) and te["peak_ratio"] == pytest.approx(0.9)
     assert te["timed_steps"] == 150 and te["loss_window_steps"] == 100
@@ -607,7 +608,7 @@ def test_head_to_head_ratios_and_targets(recipe):
     assert te["window_speedup"] == pytest.approx(1.25) and te["experts_window_steps"] == 3
     assert te["speedup_with_rest_equal"] == pytest.approx((67.5 + 50) / (67.5 + 40))
     assert bf16["speedup_with_rest_equal"] == pytest.approx((61.5 + 42) / (61.5 + 40))
-    assert recipe.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
+    assert recipe.results.head_to_head({"te": runs["te"]}, {"te": report["te"]}) == {}
 
 
 def test_head_to_head_splits_within_the_timed_steps(recipe):
@@ -619,8 +620,8 @@ def test_head_to_head_splits_within_the_timed_steps(recipe):
                 "experts_share": [{"experts_ms": e, "step_ms": t, "share": e / t} for e, t in timed]}
     runs = {"unpadded": run(100.0, [(40.0, 130.0), (44.0, 120.0), (42.0, 125.0)]),
             "bf16": run(120.0, [(50.0, 128.0), (52.0, 140.0), (51.0, 132.0)])}
-    report, _ = recipe.summarize(runs)
-    bf16 = recipe.head_to_head(runs, report)["unpadded_vs_bf16"]
+    report, _ = recipe.results.summarize(runs)
+    bf16 = recipe.results.head_to_head(runs, report)["unpadded_vs_bf16"]
     assert bf16["speedup"] == pytest.approx(1.2)  # the judged ratio: all timed steps of the second half
     assert bf16["rest_of_step_ms"] == pytest.approx({"unpadded": 83.0, "bf16": 81.0})  # medians of step - experts
     assert bf16["experts_speedup"] == pytest.approx(51 / 42)
@@ -633,8 +634,8 @@ def test_head_to_head_without_the_experts_timing_has_no_split(recipe):
         return {"losses": [3.0] * 300, "grad_norms": [1.0] * 300, "times": [ms] * 300,
                 "init_digests": [{}], "param_digests": [{}], "peak_mb": 900.0}
     runs = {"unpadded": run(100.0), "bf16": run(110.0)}
-    report, _ = recipe.summarize(runs)
-    bf16 = recipe.head_to_head(runs, report)["unpadded_vs_bf16"]
+    report, _ = recipe.results.summarize(runs)
+    bf16 = recipe.results.head_to_head(runs, report)["unpadded_vs_bf16"]
     assert bf16["speedup"] == pytest.approx(1.1)
     assert not {"experts_speedup", "rest_of_step_ms", "speedup_with_rest_equal"} & set(bf16)
 
@@ -646,8 +647,8 @@ def test_head_to_head_does_not_judge_the_loss_of_a_short_run(recipe):
                 "init_digests": [{}], "param_digests": [{}], "peak_mb": 900.0,
                 "experts_share": [{"experts_ms": 0.4 * ms, "step_ms": ms, "share": 0.4}] * 3}
     runs = {"unpadded": run(100.0, 3.00, 120), "bf16": run(112.0, 2.50, 120)}
-    report, _ = recipe.summarize(runs)
-    bf16 = recipe.head_to_head(runs, report)["unpadded_vs_bf16"]
+    report, _ = recipe.results.summarize(runs)
+    bf16 = recipe.results.head_to_head(runs, report)["unpadded_vs_bf16"]
     assert bf16["targets"]["met"] == {"speedup": True, "loss_within_1pct": None}
     assert bf16["loss_not_judged"] == "120 steps: the loss target is judged on runs of >= 300 steps"
     assert bf16["loss_window_rel_gap"] == pytest.approx(0.2)  # still reported
@@ -695,7 +696,7 @@ def test_experts_timer_marks_the_experts_forward_and_backward(recipe):
     plain_out = model(x)
     plain_out.sum().backward()
     plain_grads = [p.grad.clone() for p in model.parameters()]
-    timer = recipe.ExpertsTimer([model], event=_ClockEvent)
+    timer = recipe.timing.ExpertsTimer([model], event=_ClockEvent)
     for p in model.parameters():
         p.grad = None
     timer.start(False)
@@ -726,7 +727,7 @@ def test_a_checksum_in_upper_case_hex_is_the_same_checksum(recipe, saved, tmp_pa
     sums = mode_dir / "iter_0000002" / "state.pt.sha256"
     digest, name = sums.read_text().split()
     sums.write_text(f"{digest.upper()}  {name}\n")
-    assert recipe.main([*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed")]) == 0
+    assert recipe.launch.main([*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "resumed")]) == 0
     (result,) = glob.glob(str(tmp_path / "resumed" / "moe_gpt-*.json"))
     assert json.load(open(result))["records"]["unpadded"]["resumed_from_step"] == 2
 
@@ -767,7 +768,7 @@ def test_a_planted_link_never_takes_a_save_outside_save(recipe, torch_settings, 
     outside.write_text("precious")
     os.symlink(outside, mode_dir / "latest_checkpointed_iteration.txt.tmp")
     os.symlink(outside, mode_dir / "iter_0000001")  # an iteration directory the tracker never named, as a link
-    assert recipe.main([*SHORT, "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+    assert recipe.launch.main([*SHORT, "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
                         "--out", str(tmp_path / "out")]) == 0
     assert outside.read_text() == "precious"
     assert (mode_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
@@ -819,7 +820,7 @@ def test_conflicting_jobs_are_refused_in_one_line(recipe, capsys, argv, jobs):
     """Issue 55 item 6: `--cpu --same-bits A B` trained, wrote a result and exited 0 though A and B need not exist (a
     CI gate on --same-bits would always pass)."""
     with pytest.raises(SystemExit) as e:
-        recipe.parse_args(argv)
+        recipe.options.parse_args(argv)
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert jobs in last and "different jobs" in last, last
@@ -844,7 +845,7 @@ def test_a_missing_or_bad_result_file_is_one_line_naming_its_option(recipe, cpu_
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     names = {"missing": str(tmp_path / "missing.json"), "good": good, "bad": str(tmp_path / "bad.json")}
     with pytest.raises(SystemExit) as e:
-        recipe.main([a.format(**names) for a in argv] + ["--out", str(tmp_path / "out")])
+        recipe.launch.main([a.format(**names) for a in argv] + ["--out", str(tmp_path / "out")])
     text = str(e.value.code)
     assert text.startswith("moe_gpt.py: ") and "\n" not in text and all(w in text for w in words), text
     if "--same-bits" in argv:

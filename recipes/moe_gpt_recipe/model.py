@@ -1,0 +1,198 @@
+"""The GPU job's model: Megatron's GPT with the experts of a mode, its DDP wrappers and optimizer, Megatron's own
+experts given megatron_tma's initial weights, and the weights' canonical names."""
+import contextlib
+import re
+
+import torch
+import torch.nn.functional as F
+
+from megatron_tma.mcore import CONFIG_FLAG, from_sequential_mlp_key, megatron_experts
+
+from . import megatron_core as mc
+from .options import MEGATRONS_OWN
+
+
+def ddp_settings(args):
+    """The DistributedDataParallelConfig fields of the run's data-parallel options (the optimizer config takes
+    `use_distributed_optimizer` too)."""
+    settings = dict(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+                    use_distributed_optimizer=args.distributed_optimizer,
+                    overlap_param_gather=args.overlap_param_gather)
+    if args.ddp_bucket_size is not None:
+        settings["bucket_size"] = args.ddp_bucket_size
+    return settings
+
+
+def model_settings(args):
+    """The TransformerConfig fields of the spec and precision options: Megatron-LM's `--transformer-impl`,
+    `--fp8-format` / `--fp8-recipe` (TE FP8 of the TE layers under Megatron's FP8 context), the shared expert.
+    Never `moe_router_padding_for_quantization` (alias `moe_router_padding_for_fp8`): it would pad every expert's
+    routed tokens for FP8 in Megatron's dispatcher, which megatron_tma's experts do not need (docs/megatron.md), and
+    TEGroupedMLP pads its own tokens (Fp8Padding)."""
+    settings = dict(transformer_impl=args.transformer_impl, moe_shared_expert_intermediate_size=args.shared_expert_ffn,
+                    num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                    qk_layernorm=args.qk_layernorm)
+    if args.fp8_format:
+        settings.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
+    if args.moe_permute_fusion:
+        settings["moe_permute_fusion"] = True
+    if args.transformer_impl == "transformer_engine" and not args.nondeterministic:
+        # TE's attention picks deterministic kernels only so (Megatron-LM's --deterministic-mode; preflight sets
+        # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which that mode requires)
+        settings["deterministic_mode"] = True
+    return settings
+
+
+def base_layer_spec(args):
+    """The layer spec Megatron-LM's `--transformer-impl` picks for the MoE model (Megatron's own experts in it)."""
+    if args.transformer_impl == "transformer_engine":
+        return mc.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts,
+                                                                          moe_grouped_gemm=True,
+                                                                          qk_layernorm=args.qk_layernorm)
+    return mc.get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True, qk_layernorm=args.qk_layernorm)
+
+
+def recompute_settings(args):
+    """The TransformerConfig fields of the run's recompute options (none: Megatron's defaults, no recompute)."""
+    if args.recompute_full:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if args.recompute_modules:
+        return dict(recompute_granularity="selective", recompute_modules=list(args.recompute_modules))
+    return {}
+
+
+def build(args, mode):
+    """Model chunks (GPT + Float16Module + DDP: one, or --vpp with interleaving) and the optimizer over them, with
+    the experts of `mode`, from the run's seed."""
+    torch.manual_seed(args.seed)
+    mc.model_parallel_cuda_manual_seed(args.seed)
+    config = mc.TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+        ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
+        moe_ffn_hidden_size=args.expert_ffn, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
+        **model_settings(args), **recompute_settings(args),
+    )
+    # the switch: Megatron's own experts of the spec ("megatron", "te") -> megatron_tma's, in either spec
+    setattr(config, CONFIG_FLAG, None if mode in MEGATRONS_OWN else mode)
+    spec = mc.layer_spec_from_config(base_layer_spec(args), config)
+    gpts = []
+    for vp in range(args.vpp) if args.vpp else [None]:
+        gpts.append(mc.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+                             max_sequence_length=args.seq_len, position_embedding_type="rope",
+                             pre_process=mc.parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                             post_process=mc.parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                             vp_stage=vp).cuda())
+    if mode in MEGATRONS_OWN:
+        redraw_megatron_experts(gpts, config, args.seed)
+    # as Megatron-LM: the chunks after the first keep all their parameters in one bucket
+    models = [mc.DistributedDataParallel(config, mc.DistributedDataParallelConfig(**ddp_settings(args)),
+                                      mc.Float16Module(config, gpt), disable_bucketing=i > 0)
+              for i, gpt in enumerate(gpts)]
+    config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
+    config.finalize_model_grads_func = mc.finalize_model_grads
+    optimizer = mc.get_megatron_optimizer(
+        mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True,
+                        use_distributed_optimizer=args.distributed_optimizer),
+        models)
+    return models, optimizer
+
+
+def expert_weights_of(experts, name):
+    """The per-expert `[N, K]` weights of linear `name` of Megatron's own experts, in expert order: SequentialMLP's
+    `local_experts[i].<name>.weight`, TEGroupedMLP's `<name>.weight{i}` (TE's GroupedLinear)."""
+    if hasattr(experts, "local_experts"):
+        return [getattr(e, name).weight for e in experts.local_experts]
+    linear = getattr(experts, name)
+    return [getattr(linear, f"weight{i}") for i in range(experts.num_local_experts)]
+
+
+def redraw_megatron_experts(gpts, config, seed):
+    """Give Megatron's own experts (SequentialMLP, or TEGroupedMLP under TE's spec) the initial weights megatron_tma's
+    experts draw: from the freshly seeded expert-parallel RNG state, chunk by chunk and layer by layer (the order
+    they were built in), every expert's fc1 then every expert's fc2 (Megatron's experts draw expert by expert, and
+    TE's GroupedLinear in its own RNG order). The dense layers are already built; re-seeding only restarts the
+    tracker's streams."""
+    mc.model_parallel_cuda_manual_seed(seed)
+    with torch.no_grad(), mc.get_cuda_rng_tracker().fork(mc.get_expert_parallel_rng_tracker_name()):
+        for layer in (layer for gpt in gpts for layer in gpt.decoder.layers):
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if experts is None:
+                continue
+            for w in expert_weights_of(experts, "linear_fc1"):
+                config.init_method(w)
+            for w in expert_weights_of(experts, "linear_fc2"):
+                config.output_layer_init_method(w)
+
+
+def experts_against_megatron(gpt, seed):
+    """megatron_tma's experts (BF16 and unpadded FP8) given the weights of the first layer's Megatron experts
+    (SequentialMLP; or TEGroupedMLP, mode `te`), on the same routed tokens: the diff of docs/design.md §3 of each
+    output against Megatron's, in float64. Everything runs under Megatron's FP8 context when the config sets FP8 (as
+    in training: TEGroupedMLP then computes in TE's FP8 recipe, ours are unaffected by it). Against SequentialMLP,
+    BF16 must compute Megatron's function (diff at rounding level), FP8 within its recipe's noise; against TE's FP8
+    experts, both within FP8 noise."""
+    theirs = gpt.decoder.layers[0].mlp.experts
+    state = {}
+    for k, v in theirs.state_dict().items():
+        key = from_sequential_mlp_key(k) or (k if re.fullmatch(r"linear_fc[12]\.weight\d+", k) else None)
+        if key:  # SequentialMLP's keys renamed; TEGroupedMLP has megatron_tma's keys already (not its _extra_state)
+            state[key] = v
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = theirs.num_local_experts
+    sizes = torch.randint(0, 400, (n,), generator=g, device="cuda")
+    x = torch.randn(int(sizes.sum()), gpt.config.hidden_size, generator=g, device="cuda").bfloat16()
+    probs = torch.rand(x.shape[0], generator=g, device="cuda")
+    with torch.no_grad(), fp8_context(gpt.config):
+        ref = theirs(x, sizes.cpu(), probs)[0].double()
+        diffs = {}
+        for mode in ("bf16", "unpadded"):
+            ours = megatron_experts(n, gpt.config, mode=mode)
+            ours.load_state_dict(state)
+            out = ours(x, sizes, probs)[0].double()
+            diffs[mode] = float(1 - 2 * (out * ref).sum() / ((out * out).sum() + (ref * ref).sum()))
+    return diffs
+
+
+def fp8_context(config):
+    """Megatron's own FP8 context for the whole model (`fp8_utils.get_fp8_context`), a null context without FP8."""
+    if not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config)
+
+
+def chunk_prefixes(models):
+    """(name prefix, chunk): no prefix for a single chunk, `chunk<i>.` with virtual pipeline stages."""
+    return [("" if len(models) == 1 else f"chunk{i}.", m) for i, m in enumerate(models)]
+
+
+def canonical_weights(models):
+    """(name, tensor) of the model chunks' weights under megatron_tma's state-dict keys (SequentialMLP's per-expert
+    MLPs renamed): what every mode must start from."""
+    for prefix, model in chunk_prefixes(models):
+        for key, value in model.state_dict().items():
+            # TE modules' `_extra_state` (their FP8 metadata, serialized) is not a weight: Megatron's own TE experts
+            # have one per linear, megatron_tma's none
+            if isinstance(value, torch.Tensor) and not key.endswith("_extra_state"):
+                yield prefix + (from_sequential_mlp_key(key) or key), value
+
+
+def named_parameters(models):
+    for prefix, model in chunk_prefixes(models):
+        for name, param in model.named_parameters():
+            yield prefix + name, param
+
+
+def optimizer_class(optimizer):
+    """`module.Class` of the torch optimizer inside Megatron's optimizer (chained, mixed-precision or distributed)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    inner = getattr(inner, "optimizer", inner)
+    return f"{type(inner).__module__}.{type(inner).__qualname__}"
