@@ -24,16 +24,17 @@ tokens per expert, the routing probs); around them a small GPT in plain torch: l
 RMSNorm, a top-k router (softmax over the top-k logits, the switch load-balancing aux loss), FP32 main weights with
 AdamW and gradient clipping, the new weights copied into the BF16 parameters through `.data` (as Megatron's
 optimizer does, so the FP8 weight copies are re-made by the optimizer-step signal, not by version counters).
-The checks are the GPU job's (`summarize`, recipes/moe_gpt_recipe/results.py): the same initial weights in every mode, every padded
-mode's per-step losses, grad norms and final parameters equal to the unpadded mode's, and an evaluation after the
-last step that gives the same loss again with the FP8 weight copies re-made.
+The checks are the GPU job's (`summarize`, recipes/moe_gpt_recipe/results.py): the same initial weights in every mode,
+every padded mode's per-step losses, grad norms and final parameters equal to the unpadded mode's, and an evaluation
+after the last step that gives the same loss again with the FP8 weight copies re-made.
 Checkpoints (`--save DIR --save-interval N`, `--load DIR`, `--kill-after-step N`, as the GPU job): the module's own
-`state_dict` (Transformer Engine's per-expert keys for the experts), the FP32 main weights, AdamW's state, torch's
-RNG state and the run's records, one `torch.save` file per checkpoint in the GPU job's directory layout
+`state_dict` (Transformer Engine's per-expert keys for the experts), the FP32 main weights, AdamW's state, torch's RNG
+state and the run's records, one `torch.save` file per checkpoint in the GPU job's directory layout
 (DIR/<mode>/iter_<step>/state.pt, its SHA-256 in state.pt.sha256, named by the tracker file once written), every file
-written and every rule of the directory kept by megatron_tma.mcore.checkpoint's functions, the GPU job's (writes
-never through a link, one saving process per directory, the tracker's rule). A load checks the checksum and reads with `weights_only=True` (a crafted file cannot run code); a save never writes over a
-complete checkpoint nor moves the tracker back; a resume with other training settings than the checkpoint's stops. A resumed run trains the bits of an
+written and every rule of the directory kept by megatron_tma.mcore.checkpoint's functions, the GPU job's (writes never
+through a link, one saving process per directory, the tracker's rule). A load checks the checksum and reads with
+`weights_only=True` (a crafted file cannot run code); a save never writes over a complete checkpoint nor moves the
+tracker back; a resume with other training settings than the checkpoint's stops. A resumed run trains the bits of an
 uninterrupted one (tests/test_recipe_moe_gpt_cpu.py kills one with SIGKILL and resumes it).
 """
 import hashlib
@@ -243,10 +244,10 @@ def load_state(directory, model, main, optimizer):
 
 def train(args, mode, batches, digests, *, check_resume, check_save_target, training_args, aux_coeff=1e-2,
           clip=1.0):
-    """One mode's run on the CPU: the record `summarize` (recipes/moe_gpt_recipe/results.py) reads (per-step losses, grad norms and
-    times, digests of the initial weights and final parameters, the evaluation after the last step before and after
-    the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids. The GPU job's
-    checks of a resume and of the --save directory (recipes/moe_gpt.py) are passed in."""
+    """One mode's run on the CPU: the record `summarize` (recipes/moe_gpt_recipe/results.py) reads (per-step losses,
+    grad norms and times, digests of the initial weights and final parameters, the evaluation after the last step before
+    and after the FP8 weight copies are re-made). `batches`: [steps * micro_batches, batch, seq_len + 1] token ids. The
+    GPU job's checks of a resume and of the --save directory (recipes/moe_gpt_recipe/checkpoints.py) are passed in."""
     torch.manual_seed(args.seed)
     model = TinyMoEGPT(args, mode)
     params = list(model.parameters())

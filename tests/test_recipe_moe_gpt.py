@@ -97,7 +97,8 @@ def test_compare_merges_processes_and_checks_them_as_one_run(recipe, tmp_path):
     assert merged["summary"]["unpadded"]["peak_mb"] == 900.0 and merged["summary"]["padded16"]["peak_mb"] == 1000.0
     assert recipe.results.compare([a, c], str(tmp_path / "merged2")) == 1  # padded128's parameters differ
     e = _result(recipe, {"padded128": _run(**base)}, ["padded128"], tmp_path, "e.json")
-    assert recipe.results.compare([str(next(out.glob("moe_gpt-*.json"))), e], str(tmp_path / "nested")) == 0  # of a merge
+    merged = str(next(out.glob("moe_gpt-*.json")))
+    assert recipe.results.compare([merged, e], str(tmp_path / "nested")) == 0  # of a merge
     (nested,) = [json.load(open(p)) for p in (tmp_path / "nested").glob("moe_gpt-*.json")]
     assert [m["command"] for m in nested["merged_from"]] == [
         "torchrun recipes/moe_gpt.py --modes unpadded", "torchrun recipes/moe_gpt.py --modes padded16",
@@ -135,10 +136,11 @@ def test_same_bits_compares_two_runs_mode_by_mode(recipe, tmp_path, capsys):
 
 
 def test_recompute_options_are_megatrons_config_fields(recipe):
-    assert recipe.model.recompute_settings(recipe.options.parse_args([])) == {}
-    assert recipe.model.recompute_settings(recipe.options.parse_args(["--recompute-modules", "moe_act", "core_attn"])) == dict(
+    settings = lambda *argv: recipe.model.recompute_settings(recipe.options.parse_args(list(argv)))  # noqa: E731
+    assert settings() == {}
+    assert settings("--recompute-modules", "moe_act", "core_attn") == dict(
         recompute_granularity="selective", recompute_modules=["moe_act", "core_attn"])
-    assert recipe.model.recompute_settings(recipe.options.parse_args(["--recompute-full"]))["recompute_granularity"] == "full"
+    assert settings("--recompute-full")["recompute_granularity"] == "full"
     with pytest.raises(SystemExit):  # one or the other
         recipe.options.parse_args(["--recompute-full", "--recompute-modules", "moe"])
 
@@ -147,8 +149,8 @@ def test_data_parallel_options_are_megatrons_config_fields(recipe):
     plain = recipe.model.ddp_settings(recipe.options.parse_args([]))
     assert plain == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
                          overlap_param_gather=False)
-    overlapped = recipe.model.ddp_settings(recipe.options.parse_args(["--distributed-optimizer", "--overlap-grad-reduce",
-                                                        "--overlap-param-gather", "--ddp-bucket-size", "100000"]))
+    overlapped = recipe.model.ddp_settings(recipe.options.parse_args([
+        "--distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "100000"]))
     assert overlapped == dict(grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
                               overlap_param_gather=True, bucket_size=100000)
     # Megatron-LM's own argument rules: the overlapped all-gather is the distributed optimizer's, after an

@@ -142,8 +142,9 @@ def test_cpu_job_refuses_megatrons_options(recipe):
             recipe.options.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
     args = recipe.options.parse_args(["--cpu", "--steps", "7"])
-    assert args.steps == 7 and args.hidden == recipe.options.CPU_SIZE["hidden"] and args.modes == list(recipe.options.CPU_MODES)
-    assert recipe.options.parse_args([]).hidden == 1024 and "megatron" in recipe.options.parse_args([]).modes  # the GPU job's
+    options = recipe.options
+    assert args.steps == 7 and args.hidden == options.CPU_SIZE["hidden"] and args.modes == list(options.CPU_MODES)
+    assert options.parse_args([]).hidden == 1024 and "megatron" in options.parse_args([]).modes  # the GPU job's
 
 
 def test_device_token_counts_is_reported_per_layer_and_resumes_either_way(recipe, monkeypatch, capsys):
@@ -216,7 +217,8 @@ def test_wrong_python(gpu_job, monkeypatch, tmp_path):
 
 
 def test_no_megatron_core(gpu_job, monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_job.megatron_core, "import_megatron", lambda: ModuleNotFoundError("No module named 'megatron'"))
+    monkeypatch.setattr(gpu_job.megatron_core, "import_megatron",
+                        lambda: ModuleNotFoundError("No module named 'megatron'"))
     _one_line(gpu_job, ["--out", str(tmp_path)],
               "megatron-core cannot be imported (ModuleNotFoundError: No module named 'megatron')")
 
@@ -425,12 +427,13 @@ def test_bad_sizes_stop_in_one_line_naming_the_option(recipe, capsys, option, ru
 
 
 def test_the_gpu_jobs_resume_checks_the_settings_too(recipe, tmp_path, monkeypatch):
-    """Issue 34 item 4 for the GPU job (`resume`, recipes/moe_gpt_recipe/checkpoints.py): the same check as the CPU job's, on what
-    megatron_tma.mcore.checkpoint.load_checkpoint hands back (stood in for: no Megatron or GPU here)."""
+    """Issue 34 item 4 for the GPU job (`resume`, recipes/moe_gpt_recipe/checkpoints.py): the same check as the CPU
+    job's, on what megatron_tma.mcore.checkpoint.load_checkpoint hands back (stood in for: no Megatron or GPU here)."""
     args = recipe.options.parse_args(["--load", str(tmp_path), "--steps", "4"])
     saved = {"losses": [1.0, 0.5], "train_args": {**recipe.checkpoints.training_args(args), "lr": 1.0, "seed": 9}}
     monkeypatch.setattr(recipe.checkpoints.checkpoint, "latest_iteration", lambda directory: 2)
-    monkeypatch.setattr(recipe.checkpoints.checkpoint, "load_checkpoint", lambda directory, models, optimizer: (2, saved))
+    monkeypatch.setattr(recipe.checkpoints.checkpoint, "load_checkpoint",
+                        lambda directory, models, optimizer: (2, saved))
     monkeypatch.setattr(recipe.launch.dist, "get_rank", lambda: 0, raising=False)
     with pytest.raises(SystemExit) as e:
         recipe.checkpoints.resume(args, "unpadded", None, None)
@@ -463,11 +466,12 @@ def test_transformer_impl_options_are_megatron_lms(recipe):
     # never Megatron's routing-map padding for FP8: megatron_tma's experts need none, TEGroupedMLP pads itself
     assert not any("padding" in k for k in settings)
     assert "fp8" not in recipe.model.model_settings(recipe.options.parse_args([]))
-    assert "deterministic_mode" not in recipe.model.model_settings(recipe.options.parse_args([*TE_FP8, "--nondeterministic"]))
-    assert recipe.options.parse_args(["--transformer-impl", "transformer_engine"]).modes == list(recipe.options.MODES)  # no FP8: no te
+    parse, training_args = recipe.options.parse_args, recipe.checkpoints.training_args
+    assert "deterministic_mode" not in recipe.model.model_settings(parse([*TE_FP8, "--nondeterministic"]))
+    assert parse(["--transformer-impl", "transformer_engine"]).modes == list(recipe.options.MODES)  # no FP8: no te
     # the options change what a run trains: a resume checks them; checkpoints saved before them trained the defaults
-    assert {"transformer_impl", "fp8_format", "fp8_recipe", "shared_expert_ffn"} <= set(recipe.checkpoints.training_args(args))
-    old = {k: v for k, v in recipe.checkpoints.training_args(recipe.options.parse_args([])).items() if k not in recipe.checkpoints.ADDED_OPTIONS}
+    assert {"transformer_impl", "fp8_format", "fp8_recipe", "shared_expert_ffn"} <= set(training_args(args))
+    old = {k: v for k, v in training_args(parse([])).items() if k not in recipe.checkpoints.ADDED_OPTIONS}
     recipe.checkpoints.check_resume(recipe.options.parse_args([]), {"train_args": old}, "ckpt")  # no SystemExit
 
 
@@ -533,7 +537,8 @@ def test_attention_shape_refusals_are_one_line(recipe, capsys, argv, message):
         recipe.options.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
-    assert recipe.options.bad_sizes(recipe.options.parse_args(["--hidden", "1024", "--heads", "24", "--kv-channels", "64"])) is None
+    args = recipe.options.parse_args(["--hidden", "1024", "--heads", "24", "--kv-channels", "64"])
+    assert recipe.options.bad_sizes(args) is None
 
 
 def test_device_busy_is_the_union_of_the_devices_intervals(recipe):
@@ -571,12 +576,13 @@ def test_transformer_engine_missing_is_one_line_naming_the_option(gpu_job, monke
 def test_moe_permute_fusion_is_megatron_lms_option(recipe):
     """--moe-permute-fusion sets Megatron's config field in every mode; it is a training setting (TE's fused
     un-permutation may sum in another order), which checkpoints saved before it trained without."""
-    assert recipe.model.model_settings(recipe.options.parse_args([*TE_FP8, "--moe-permute-fusion"]))["moe_permute_fusion"] is True
-    assert "moe_permute_fusion" not in recipe.model.model_settings(recipe.options.parse_args(TE_FP8))
-    args = recipe.options.parse_args(["--moe-permute-fusion"])
+    parse, model_settings = recipe.options.parse_args, recipe.model.model_settings
+    assert model_settings(parse([*TE_FP8, "--moe-permute-fusion"]))["moe_permute_fusion"] is True
+    assert "moe_permute_fusion" not in model_settings(parse(TE_FP8))
+    args = parse(["--moe-permute-fusion"])
     assert recipe.checkpoints.training_args(args)["moe_permute_fusion"] is True
-    old = {k: v for k, v in recipe.checkpoints.training_args(recipe.options.parse_args([])).items() if k != "moe_permute_fusion"}
-    recipe.checkpoints.check_resume(recipe.options.parse_args([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
+    old = {k: v for k, v in recipe.checkpoints.training_args(parse([])).items() if k != "moe_permute_fusion"}
+    recipe.checkpoints.check_resume(parse([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
     with pytest.raises(SystemExit, match="--moe-permute-fusion False there, True here"):
         recipe.checkpoints.check_resume(args, {"train_args": old}, "ckpt")
 

@@ -188,6 +188,7 @@ def stdout_may_close():
 
 
 def run_job(args):
+    """The job the options ask for (parse_args lets one through): its exit status."""
     if args.plot:
         return redraw(args)
     if args.cpu:
@@ -196,6 +197,12 @@ def run_job(args):
         return compare(args.compare, args.out)
     if args.same_bits:
         return same_bits(*args.same_bits)
+    return gpu_job(args)
+
+
+def gpu_job(args):
+    """Every mode trained with Megatron-core on the GPUs of this torchrun (one rank a process), the checks
+    (summarize), the result written by rank 0."""
     # Bit-exact comparisons need the rest of the model deterministic too: Megatron sums a token's top-k expert
     # outputs with scatter_add (atomics) unless torch's deterministic algorithms are on (at top-4, unpadded and
     # padded16 differed from step 0 without them). warn_only: ops without a deterministic kernel warn.
@@ -208,9 +215,9 @@ def run_job(args):
         raise SystemExit(f"--layers {args.layers} must be divisible by --pp {args.pp} x --vpp {args.vpp or 1}")
     args.ep = args.ep or max(1, world // (args.etp * args.pp))
     mc.parallel_state.initialize_model_parallel(pipeline_model_parallel_size=args.pp,
-                                             virtual_pipeline_model_parallel_size=args.vpp,
-                                             expert_model_parallel_size=args.ep,
-                                             expert_tensor_parallel_size=args.etp)
+                                                virtual_pipeline_model_parallel_size=args.vpp,
+                                                expert_model_parallel_size=args.ep,
+                                                expert_tensor_parallel_size=args.etp)
     # one data stream per data-parallel rank: the stages of a pipeline must see the same batches
     batches, loss_floor = chain_batches(args, mc.parallel_state.get_data_parallel_rank())
     runs = {}

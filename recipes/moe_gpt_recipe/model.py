@@ -84,22 +84,22 @@ def build(args, mode):
     spec = mc.layer_spec_from_config(base_layer_spec(args), config)
     gpts = []
     for vp in range(args.vpp) if args.vpp else [None]:
+        first = mc.parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
+        last = mc.parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         gpts.append(mc.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
-                             max_sequence_length=args.seq_len, position_embedding_type="rope",
-                             pre_process=mc.parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                             post_process=mc.parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                             vp_stage=vp).cuda())
+                                max_sequence_length=args.seq_len, position_embedding_type="rope",
+                                pre_process=first, post_process=last, vp_stage=vp).cuda())
     if mode in MEGATRONS_OWN:
         redraw_megatron_experts(gpts, config, args.seed)
     # as Megatron-LM: the chunks after the first keep all their parameters in one bucket
     models = [mc.DistributedDataParallel(config, mc.DistributedDataParallelConfig(**ddp_settings(args)),
-                                      mc.Float16Module(config, gpt), disable_bucketing=i > 0)
+                                         mc.Float16Module(config, gpt), disable_bucketing=i > 0)
               for i, gpt in enumerate(gpts)]
     config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     config.finalize_model_grads_func = mc.finalize_model_grads
     optimizer = mc.get_megatron_optimizer(
-        mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0, bf16=True,
-                        use_distributed_optimizer=args.distributed_optimizer),
+        mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
+                           bf16=True, use_distributed_optimizer=args.distributed_optimizer),
         models)
     return models, optimizer
 

@@ -260,8 +260,8 @@ def transformer_impl_refusal(args):
 POSITIVE = ("steps", "micro_batches", "micro_batch_size", "seq_len", "layers", "hidden", "heads", "experts", "topk",
             "expert_ffn", "vocab", "log_every", "etp", "pp")
 NON_NEGATIVE = ("experts_share_steps",)
-# The largest --seed: chain_batches seeds each rank's data with seed x 1000 + 1 + rank, which torch takes up to 2**64 - 1
-# (ranks < 1000)
+# The largest --seed: chain_batches seeds each rank's data with seed x 1000 + 1 + rank, which torch takes up to
+# 2**64 - 1 (ranks < 1000)
 MAX_SEED = (2**64 - 1000) // 1000
 FP8_MODES = tuple(m for m in MODES if m != "bf16")  # the modes whose experts are megatron_tma's FP8 ones
 

@@ -182,9 +182,10 @@ def evaluate(args, models, batches):
     # the interleaved schedule runs micro-batches in groups of --pp (Megatron refuses fewer)
     micro_batches = args.pp if args.vpp else 1
     with torch.no_grad():
-        out = mc.get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data_iterators(models, batches),
-                                          model=models, num_microbatches=micro_batches, seq_length=args.seq_len,
-                                          micro_batch_size=args.micro_batch_size, forward_only=True)
+        out = mc.get_forward_backward_func()(forward_step_func=forward_step,
+                                             data_iterator=data_iterators(models, batches), model=models,
+                                             num_microbatches=micro_batches, seq_length=args.seq_len,
+                                             micro_batch_size=args.micro_batch_size, forward_only=True)
     for model in models:
         model.train()
         if args.overlap_param_gather:
