@@ -1,14 +1,7 @@
 """Train a small MoE GPT with Megatron-core once per experts mode, on the same data from the same initial weights,
 and check that the unpadded FP8 experts train exactly like their padded twins.
 
-    torchrun --nproc-per-node 1 recipes/moe_gpt.py --cpu --out OUT_DIR            # the CPU job (below)
-    torchrun --nproc-per-node 1 recipes/moe_gpt.py --out OUT_DIR                  # 5 modes x 300 steps
-    torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 2 --out OUT_DIR           # experts split over 2 GPUs
-    torchrun --nproc-per-node 2 recipes/moe_gpt.py --etp 2 --out OUT_DIR          # every expert split over 2 GPUs
-    torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --micro-batches 4 --out OUT_DIR   # 2 pipeline stages
-    torchrun --nproc-per-node 2 recipes/moe_gpt.py --pp 2 --vpp 2 --micro-batches 4 --out OUT_DIR  # interleaved
-    torchrun --nproc-per-node 2 recipes/moe_gpt.py --ep 1 --distributed-optimizer --overlap-grad-reduce \
-        --overlap-param-gather --out OUT_DIR     # experts replicated, their weights sharded by the optimizer
+Usage, options and what each run checks: `--help` and the package's docstring (recipes/moe_gpt_recipe/__init__.py).
 
 The recipe itself is the package next to this file, recipes/moe_gpt_recipe/ (its __init__ says what it trains and
 checks), one module per concept: options (arguments and their refusals), megatron_core (megatron-core, imported for the
