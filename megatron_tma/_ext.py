@@ -1,11 +1,12 @@
-"""Loads the CUDA extension if it was built; the ops live under `torch.ops.megatron_tma`."""
+"""Loads the CUDA extension if it was built: it registers the CUDA kernels of the ops that megatron_tma.ops defines
+(`torch.ops.megatron_tma.*`)."""
 import functools
 import importlib.util
 import os
 import warnings
+from typing import Optional
 
 import torch
-
 
 
 def _no_kernels_reason() -> str:
@@ -19,7 +20,7 @@ def _no_kernels_reason() -> str:
 
 
 try:
-    from . import _C  # noqa: F401  (registers torch.ops.megatron_tma.*)
+    from . import _C  # noqa: F401  (registers the CUDA kernels of torch.ops.megatron_tma.*)
 
     _EXT_ERROR = None
 except ImportError as e:  # pure-Python install, or a build for another torch
@@ -59,6 +60,7 @@ def cuda_kernels_available(device=None) -> bool:
 
 
 def ops():
+    """`torch.ops.megatron_tma` with the extension's CUDA kernels; an error naming why when it was not built."""
     if _C is None:
         raise RuntimeError(
             "megatron_tma was installed without its CUDA extension "
@@ -71,38 +73,25 @@ def ops():
 BACKENDS = ("auto", "cuda", "reference")
 
 
-def check_backend(backend) -> None:
-    """ValueError unless `backend` is one of BACKENDS: every public entry calls it first, so that a wrong value is
-    refused at the call, not when some later op (a backward, the first non-empty input) resolves it."""
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
-
-
 @functools.lru_cache(maxsize=None)
 def _kernels_on(device: torch.device) -> bool:
     return device.type == "cuda" and cuda_kernels_available(device)
 
 
-@functools.lru_cache(maxsize=None)
-def op(name: str):
-    """`torch.ops.megatron_tma.<name>`'s overload, looked up once (the attribute chain costs ~1 us per call)."""
-    return getattr(ops(), name).default
-
-
-def use_cuda(backend: str, device: torch.device) -> bool:
-    """Resolve the `backend=` switch every op takes: True to run the CUDA kernels, False for the torch
-    reference; a clear error when "cuda" is asked for and cannot run."""
-    if backend == "reference":
-        return False
-    if backend != "auto" and backend != "cuda":
-        check_backend(backend)
-    ok = _kernels_on(device)
-    if backend == "cuda" and not ok:
+def check_backend(backend, device: Optional[torch.device] = None) -> None:
+    """ValueError unless `backend` is one of BACKENDS: every public entry calls it first, so that a wrong value is
+    refused at the call, not when some later op (a backward, the first non-empty input) resolves it. With `device`
+    (the call's tensors', once they are checked), also that "cuda" can run there: the ops themselves dispatch on the
+    tensors' device (megatron_tma.ops), "auto" runs the op whose kernel the device picks, "reference" runs the
+    plain-torch reference on any device, and "cuda" insists on the extension's kernels on an sm_90 GPU (a clear
+    error in place of a silently slow reference)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'cuda' or 'reference', got {backend!r}")
+    if backend == "cuda" and device is not None and not _kernels_on(device):
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
         ops()  # raises the "extension not built" error if that is the cause
         raise RuntimeError("backend='cuda' needs an sm_90 (Hopper) GPU")
-    return ok
 
 
 def why_kernels_cannot_run(capability=None) -> str:

@@ -1,10 +1,12 @@
 """The expert MLP's activation times the routing probs: `z = act(h) * probs[:, None]`, FP32 math from the BF16 h,
 one rounding back to BF16, with gradients for h and the probs.
 
-Two implementations behind the `backend=` switch of every op (megatron_tma._ext.use_cuda):
-* `cuda` (csrc/include/megatron_tma/kernels/activation.cuh): one pass over memory each way; the probs gradient
+Two kernels of the ops `torch.ops.megatron_tma.act_times_probs_{forward,backward}` (megatron_tma.ops):
+* CUDA (csrc/include/megatron_tma/kernels/activation.cuh): one pass over memory each way; the probs gradient
   of a row is one CTA's fixed-order sum.
-* `reference`: torch ops on FP32 copies (CPU or GPU), the probs gradient by `_row_sum`'s pairwise halving.
+* the reference (megatron_tma.reference, the CPU kernel; `backend="reference"` runs it on any device, and "auto"
+  on a GPU tensor that the CUDA kernel does not take): torch ops on FP32 copies, the probs gradient by a pairwise
+  halving.
 Both compute every element from its own row only, and each sums a row's probs gradient in an order fixed by F,
 so a row's results never depend on the other rows: what the padded twin's bit-exactness needs. They agree to FP32
 rounding (expf / erff / division may differ in the last bit between the CUDA math library and torch's kernels),
@@ -13,59 +15,13 @@ not bit for bit; the CUDA kernel is checked against float64 and against the torc
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from . import _ext
+from . import _ext, ops
 from ._validate import not_twice_differentiable
+from .reference import ACTIVATIONS, GATED
 
 __all__ = ["ACTIVATIONS", "GATED", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
            "check_activation_args", "resolve_kernel"]
-
-ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "geglu")  # index = the kernels' activation id (host/activation.h)
-GATED = ("swiglu", "geglu")  # h = [gate | up]: `[T, 2F]`, act(gate) * up
-
-
-def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        return F.silu(h[:, :f]) * h[:, f:]
-    if activation == "geglu":
-        f = h.shape[1] // 2
-        return F.gelu(h[:, :f]) * h[:, f:]
-    if activation == "gelu":
-        return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
-    return torch.relu(h).square()
-
-
-def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
-    """d act(h) / dh applied to da, for FP32 h."""
-    if activation == "swiglu":
-        f = h.shape[1] // 2
-        gate, up = h[:, :f], h[:, f:]
-        return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
-    if activation == "geglu":
-        f = h.shape[1] // 2
-        gate, up = h[:, :f], h[:, f:]
-        return torch.cat([torch.ops.aten.gelu_backward(da * up, gate), da * F.gelu(gate)], dim=1)
-    if activation == "gelu":
-        return torch.ops.aten.gelu_backward(da, h)
-    return da * (2.0 * torch.relu(h))
-
-
-def _row_sum(v: torch.Tensor) -> torch.Tensor:
-    """Row sums of an FP32 `[T, F]` tensor by pairwise halving, so that each row's rounding is fixed by F alone.
-
-    torch's reductions split a row's sum differently depending on how many rows there are (threads on the CPU,
-    CTAs per output on the GPU), which would make the padded twin's probs gradient differ in the last bit.
-    Elementwise adds of column halves do not (about log2(F) small launches; twice the traffic of one pass).
-    """
-    while v.shape[1] > 1:
-        half = v.shape[1] // 2
-        s = v[:, :half] + v[:, half : 2 * half]
-        if v.shape[1] % 2:
-            s[:, :1] += v[:, -1:]
-        v = s
-    return v[:, 0]
 
 
 def _kernel_probs(probs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -75,35 +31,22 @@ def _kernel_probs(probs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def act_times_probs_forward(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
                             use_kernel: bool) -> torch.Tensor:
     """z = act(h) * probs[:, None] in FP32 from the BF16 h, one rounding to h's dtype; no autograd. `use_kernel`
-    as `resolve_kernel` decides it. Deterministic: called twice on the same h and probs it gives the same bits,
-    which is what lets a backward recompute z instead of keeping it (megatron_tma.activation_linear)."""
-    if use_kernel:
-        return _ext.ops().act_times_probs_forward(h, _kernel_probs(probs), ACTIVATIONS.index(activation))
-    a = _activation(h.float(), activation)
-    if probs is not None:
-        a.mul_(probs.float().unsqueeze(1))
-    return a.to(h.dtype)
+    (as `resolve_kernel` decides it): the op, whose kernel h's device picks, else the reference directly.
+    Deterministic: called twice on the same h and probs it gives the same bits, which is what lets a backward
+    recompute z instead of keeping it (megatron_tma.activation_linear)."""
+    return ops.kernel("act_times_probs_forward", not use_kernel)(h, _kernel_probs(probs), ACTIVATIONS.index(activation))
 
 
 def act_times_probs_backward(dz: torch.Tensor, h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
                              use_kernel: bool, need_dh: bool = True, need_dprobs: bool = True):
     """(dh or None, dprobs or None) of z = act(h) * probs[:, None] for the upstream gradient dz; no autograd."""
     need_dprobs = need_dprobs and probs is not None
-    if use_kernel:
-        dz = dz.contiguous()
-        if not _aligned16(dz):  # a view into another buffer: the kernel reads 16-byte vectors
-            dz = dz.clone()
-        dh, dprobs = _ext.ops().act_times_probs_backward(dz, h, _kernel_probs(probs), ACTIVATIONS.index(activation),
-                                                         need_dprobs)
-        return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None)
-    h32, dz32 = h.float(), dz.float()
-    dh = dprobs = None
-    if need_dprobs:
-        dprobs = _row_sum(dz32 * _activation(h32, activation)).to(probs.dtype)
-    if need_dh:
-        da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
-        dh = _activation_backward(da, h32, activation).to(h.dtype)
-    return dh, dprobs
+    dz = dz.contiguous()
+    if not _aligned16(dz):  # a view into another buffer: the CUDA kernel reads 16-byte vectors
+        dz = dz.clone()
+    dh, dprobs = ops.kernel("act_times_probs_backward", not use_kernel)(dz, h, _kernel_probs(probs),
+                                                                         ACTIVATIONS.index(activation), need_dprobs)
+    return (dh if need_dh else None), (dprobs.to(probs.dtype) if need_dprobs else None)
 
 
 class _ActivationTimesProbs(torch.autograd.Function):
@@ -154,18 +97,20 @@ def check_activation_args(h: torch.Tensor, probs: Optional[torch.Tensor], activa
 
 
 def resolve_kernel(h: torch.Tensor, activation: str, backend: str) -> bool:
-    """Whether `backend` runs the CUDA kernel on this h: "auto" when it can (sm_90 GPU, extension built, a
-    contiguous 16-byte aligned BF16 h with F % 8 == 0), "cuda" insists on it (ValueError if h does not fit),
-    "reference" never."""
-    use_kernel = _ext.use_cuda(backend, h.device)
-    if use_kernel and not _kernel_fits(h, activation):
+    """Whether `backend` runs the op on this h (its device's kernel) rather than the reference directly: "auto" does
+    unless h is a GPU tensor the CUDA kernel does not take (it needs a contiguous 16-byte aligned BF16 h with
+    F % 8 == 0), "cuda" insists on the CUDA kernel (ValueError if h does not fit), "reference" never."""
+    _ext.check_backend(backend, h.device)
+    if backend == "reference":
+        return False
+    if h.device.type == "cuda" and not _kernel_fits(h, activation):
         if backend == "cuda":
             raise ValueError(
                 "backend='cuda' needs a contiguous, 16-byte aligned bfloat16 h whose activation has a multiple of "
                 f"8 outputs per row, got {h.dtype} {list(h.shape)}"
             )
-        use_kernel = False
-    return use_kernel
+        return False
+    return True
 
 
 def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
@@ -175,20 +120,8 @@ def activation_times_probs(h: torch.Tensor, probs: Optional[torch.Tensor], activ
     h: `[T, 2F]` for "swiglu" / "geglu" (gate half first) or `[T, F]` for "gelu" / "squared_relu"; probs: `[T]` (FP32 or
     BF16; its gradient comes back in its dtype). Every element is computed on its own and the probs gradient by a
     fixed-order row sum, so a row's results do not depend on the other rows (what the padded twin's bit-exactness
-    needs). backend: "auto" runs the CUDA kernel on an sm_90 GPU with the extension built (and a contiguous BF16
-    h with F % 8 == 0; anything else takes the torch path), "cuda" insists on it, "reference" is torch.
+    needs). backend: "auto" runs the op (on a GPU the CUDA kernel, for a contiguous BF16 h with F % 8 == 0; anything
+    else takes the torch reference), "cuda" insists on the CUDA kernel, "reference" is torch.
     """
     check_activation_args(h, probs, activation)
     return _ActivationTimesProbs.apply(h, probs, activation, resolve_kernel(h, activation, backend))
-
-
-if _ext.has_extension():
-
-    @torch.library.register_fake("megatron_tma::act_times_probs_forward")
-    def _fake_forward(h, probs, activation):
-        f = h.shape[1] // 2 if ACTIVATIONS[activation] in GATED else h.shape[1]
-        return h.new_empty(h.shape[0], f)
-
-    @torch.library.register_fake("megatron_tma::act_times_probs_backward")
-    def _fake_backward(dz, h, probs, activation, need_dprobs):
-        return torch.empty_like(h), h.new_empty(h.shape[0] if need_dprobs else 0, dtype=torch.float32)

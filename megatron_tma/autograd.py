@@ -23,9 +23,11 @@ accumulated by the K-grouped GEMM itself (`D = C + dY^T . X` in FP32); otherwise
 `[G, N, K]` temporary that one foreach add folds into them (for FP32 the same sums bit for bit, except that an
 empty group turns a -0 into +0; for BF16 one rounding of the FP32 sum).
 
-Backends: `backend="cuda" | "reference" | "auto"` goes to every quantizer and GEMM call. No host read of the group
-tensor happens here (the reference backend reads it inside the kernels' stand-ins), so on the CUDA backend the
-forward and backward are CUDA-graph capturable and free of host synchronisation.
+Backends: every quantizer and GEMM is a torch op whose kernel the tensors' device picks (megatron_tma.ops);
+`backend="reference"` runs the reference on any device, `"cuda"` insists on the CUDA kernels. No host read of the
+group tensor happens here (the reference reads it inside its kernels), so on a GPU the forward and backward are
+CUDA-graph capturable and free of host synchronisation, and `torch.compile(fullgraph=True)` traces them (the ops'
+fake kernels; tests/test_compile_fullgraph.py).
 """
 import itertools
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
@@ -472,7 +474,9 @@ def check_linear_args(x: torch.Tensor, weight: Weights, groups, backend: str, po
         check_num_groups(g, "K_GROUPED_MAX_GROUPS", "fp8_grouped_linear (the weight gradient's k_grouped_fp8_gemm)")
     if x_contiguous and x.numel():  # what the quantizers need of it (an x computed by the caller is a fresh tensor)
         check_aligned16(x, x_name, "the quantizers read rows as 16-byte vectors")
-    return weights, check_groups(groups, g, m_total=x.shape[0])  # (its device: checked with x's above)
+    groups = check_groups(groups, g, m_total=x.shape[0])  # (its device: checked with x's above)
+    check_backend(backend, x.device)
+    return weights, groups
 
 
 def fp8_grouped_linear(

@@ -2,15 +2,15 @@
 
 `m_grouped_fp8_gemm` runs forward (`b` = W `[G, N, K]`) and dgrad (`b` = the W^T copy `[G, K, N]`) with the
 same call: rows of `a` are split into G groups of any size (0 included) by a device tensor of sizes or
-offsets that is never read on the host. On a Hopper GPU with the extension built it runs the TMA-adaptive
-kernel (csrc/include/megatron_tma/kernels/m_grouped_fp8_gemm.cuh); elsewhere the plain-torch oracle of
+offsets that is never read on the host. Both GEMMs are torch ops (megatron_tma.ops): on GPU tensors the
+TMA-adaptive kernels (csrc/include/megatron_tma/kernels/), on the CPU the plain-torch oracle of
 `megatron_tma.reference` (same numerics contract, not bit-identical to tensor cores).
 """
 from typing import Optional
 
 import torch
 
-from . import _ext
+from . import _ext, ops
 from ._validate import FP8, any_misaligned16, check_aligned16, check_same_device, check_tensor
 from .groups import (Groups, check_groups, check_wgrad_columns, check_wgrad_tokens, debug_checks_enabled, groups_name,
                      max_tiles, wgrad_pitch)
@@ -108,8 +108,10 @@ def m_grouped_fp8_gemm(
     block_m=192 (with block_n 0 or 128) or block_m=128 (with block_n 0: 128 wide) force a tile; block_n 192 or
     256 give wider two-warpgroup tiles.
     """
-    _ext.check_backend(backend)  # (an empty `a` returns before the backend is resolved)
-    groups, _, _, _ = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
+    _ext.check_backend(backend)
+    groups, device, m, _ = _check_m_grouped_args(a, a_scales, b, b_scales, groups, out, block_n, block_m)
+    if m:  # (an empty `a` returns before any op, on every backend)
+        _ext.check_backend(backend, device)
     return run_m_grouped(a, a_scales, b, b_scales, groups, out, backend, block_n, block_m)
 
 
@@ -120,17 +122,10 @@ def run_m_grouped(a, a_scales, b, b_scales, groups: Groups, out=None, backend="a
     m, n, device = a.shape[0], b.shape[1], a.device
     if m == 0:  # no rows: nothing to compute (and TMA cannot describe an empty tensor)
         return out if out is not None else torch.empty((0, n), dtype=torch.bfloat16, device=device)
-    if _ext.use_cuda(backend, device):
-        if out is None:
-            out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
-        _ext.op("m_grouped_fp8_gemm_out")(a, a_scales, b, b_scales, groups.tensor, out, block_n, block_m)
-        return out
-    from . import reference
-
-    result = reference.m_grouped_fp8_gemm(a, a_scales, b, b_scales, groups)
     if out is None:
-        return result
-    out.copy_(result)
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=device)
+    ops.kernel("m_grouped_fp8_gemm_out", backend == "reference")(a, a_scales, b, b_scales, groups.tensor, out, block_n,
+                                                                 block_m)
     return out
 
 
@@ -143,13 +138,6 @@ def m_grouped_tile(m_total: int, n: int, num_groups: int, block_n: int = 0, bloc
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         bm, bn = _ext.ops().m_grouped_fp8_gemm_tile(m_total, n, num_groups, block_n, block_m)
     return int(bm), int(bn)
-
-
-if _ext.has_extension():
-
-    @torch.library.register_fake("megatron_tma::m_grouped_fp8_gemm_out")
-    def _(a, a_scales, b, b_scales, groups, out, block_n=0, block_m=0):  # mutates `out` only
-        return None
 
 
 def _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate, out_dtype,
@@ -269,8 +257,9 @@ def k_grouped_fp8_gemm(
     _ext.check_backend(backend)
     if block_m not in (0, 128, 192):
         raise ValueError(f"block_m must be 0 (auto), 128 or 192, got {block_m!r}")
-    groups, _, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups, accumulate,
-                                            out_dtype, m_total)
+    groups, device, _, _ = _check_k_grouped_args(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, num_groups,
+                                                 accumulate, out_dtype, m_total)
+    _ext.check_backend(backend, device)
     return run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, out_dtype, backend, block_m)
 
 
@@ -281,17 +270,8 @@ def run_k_grouped(dy_t, dy_t_scales, x_t, x_t_scales, groups: Groups, out=None, 
     device = dy_t.device
     if out is None:
         out = torch.empty((groups.num_groups, dy_t.shape[0], x_t.shape[0]), dtype=out_dtype, device=device)
-    if _ext.use_cuda(backend, device):
-        _ext.op("k_grouped_fp8_gemm_out")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out, accumulate, block_m)
-        return out
-    from . import reference
-
-    result = reference.k_grouped_fp8_gemm(
-        dy_t, dy_t_scales, x_t, x_t_scales, groups, out=out if accumulate else None, accumulate=accumulate,
-        num_groups=groups.num_groups,
-    )
-    if result is not out:
-        out.copy_(result)
+    ops.kernel("k_grouped_fp8_gemm_out", backend == "reference")(dy_t, dy_t_scales, x_t, x_t_scales, groups.tensor, out,
+                                                                 accumulate, block_m)
     return out
 
 
@@ -306,10 +286,3 @@ def k_grouped_tile(n: int, k: int, num_groups: int, out_dtype=torch.float32, blo
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
         bm, bn = _ext.ops().k_grouped_fp8_gemm_tile(n, k, num_groups, out_dtype == torch.bfloat16, block_m)
     return int(bm), int(bn)
-
-
-if _ext.has_extension():
-
-    @torch.library.register_fake("megatron_tma::k_grouped_fp8_gemm_out")
-    def _(dy_t, dy_t_scales, x_t, x_t_scales, groups, out, accumulate, block_m=0):  # mutates `out` only
-        return None

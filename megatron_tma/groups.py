@@ -17,8 +17,8 @@ tensor on the host:
   totals are capped at M_total -- so memory stays safe, but the results are undefined.
 * ``sizes_to_offsets``, ``offsets_to_sizes``, ``padded_sizes``, ``token_block_counts``,
   ``token_block_offsets``, ``aligned_token_offsets`` are tensor ops on the same device (no sync, capturable;
-  they also work on ``meta`` tensors, which is how the tests prove they never read values). ``max_tiles`` and
-  ``wgrad_pitch`` are host bounds from M_total and G alone.
+  they also work on ``meta`` tensors, which is how the tests prove they never read values). ``max_tiles``,
+  ``wgrad_pitch`` and ``padded_row_count_upper_bound`` are host bounds from M_total and G alone.
 * The functions that do read values say so in their names or docstrings: ``check_groups_values``,
   ``check_wgrad_columns``, ``host_group_sizes`` (oracle and tests), ``tile_map`` (reference tile list for
   tests) and ``make_group_sizes`` (benchmark/test generator, CPU only).
@@ -269,6 +269,25 @@ def token_block_counts(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
 def token_block_offsets(sizes: torch.Tensor, block: int = 128) -> torch.Tensor:
     """B_g = sum_{h<g} ceil(M_h/block) as int32 [G+1]: group g's first row in the wgrad scale tensor."""
     return sizes_to_offsets(token_block_counts(sizes, block))
+
+
+def padded_row_count_upper_bound(m_total, num_groups, align: int = 128):
+    """Rows of the padded buffers: the exact maximum of ``sum_g round_up(M_g, align)`` over all group sizes.
+
+    At most ``n = min(num_groups, m_total)`` groups are non-empty and each wastes at most ``align - 1`` rows,
+    so the maximum is ``align * ((m_total - n) // align + n)`` (reached by n - 1 one-row groups and one group
+    with the rest). It is at most ``round_up(m_total, align) + align * num_groups`` and is 0 for m_total == 0.
+    The op's CUDA kernel (``padded_rows_upper_bound`` in host/pad_gather.h), its reference and its fake kernel
+    allocate with this formula (megatron_tma.ops).
+    """
+    if m_total < 0:
+        raise ValueError(f"m_total must be >= 0, got {m_total}")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    nonempty = torch.sym_min(num_groups, m_total)
+    return align * ((m_total - nonempty) // align + nonempty)
 
 
 # The wgrad operands' 128-token group starts (docs/design.md §4, docs/layouts.md): group g's tokens sit at columns

@@ -56,7 +56,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from . import _ext
+from . import _ext, ops
 from ._validate import check_int, check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
@@ -450,8 +450,7 @@ class GroupedFP8MLP(_GroupedMLP):
         shift = sizes_to_offsets(padded)[:-1] - sizes_to_offsets(sizes)[:-1]
         expert = torch.repeat_interleave(sizes, output_size=num_tokens)  # expert of every token; no host read
         dest = torch.arange(num_tokens, device=x.device) + shift[expert]
-        kernels = self.backend != "reference" and x.device.type == "cuda" and _ext.cuda_kernels_available(x.device)
-        if kernels:
+        if self.backend != "reference" and not ops.reference_runs_on(x.device):
             rows = padded_row_count_upper_bound(num_tokens, g, self.pad_to)
         else:  # the reference reads the sizes on the host and wants groups that cover every row
             rows = int(padded.sum())

@@ -12,21 +12,21 @@ bound are zero data with scale 1.0 as well, and the padded offsets come back as 
 (``offsets[G]`` is the real padded total, which may be below the buffer's row count; a GEMM given these
 offsets leaves its output rows past ``offsets[G]`` alone, and they are never un-padded).
 
-With the CUDA extension on a Hopper GPU, `pad_rows_fp8` and `unpad_rows` are one gather kernel each
-(``torch.ops.megatron_tma.pad_rows_fp8`` / ``unpad_rows_bf16``): no host read, CUDA-graph capturable. Elsewhere
-the torch reference runs (`pad_rows_fp8_reference`, `unpad_rows_reference`); it reads the group sizes on the
-host, rejects sizes that do not describe M rows, and writes the same bytes as the kernels. The kernels cannot
+`pad_rows_fp8` and `unpad_rows` are one op each (``torch.ops.megatron_tma.pad_rows_fp8`` / ``unpad_rows_bf16``,
+megatron_tma.ops): on a GPU one gather kernel each, no host read, CUDA-graph capturable; on the CPU the torch
+reference (`megatron_tma.reference`; `pad_rows_fp8_reference` and `unpad_rows_reference` run it on any device),
+which reads the group sizes on the host, rejects sizes that do not describe M rows, and writes the same bytes as the kernels. The kernels cannot
 check the sizes without a host read; they clamp them to the buffers (never an out-of-bounds access), and rows
 of `unpad_rows`' output that no group covers are written as zeros.
 """
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
-from . import _ext
+from . import ops
+from . import reference as R
 from ._validate import FP8, check_same_device, check_tensor
-from .groups import check_groups, host_group_sizes
-from .reference import alloc_1x128_scales
+from .groups import check_groups, padded_row_count_upper_bound
 
 __all__ = [
     "padded_row_count_upper_bound",
@@ -36,24 +36,6 @@ __all__ = [
     "pad_rows_fp8_reference",
     "unpad_rows_reference",
 ]
-
-
-def padded_row_count_upper_bound(m_total, num_groups, align: int = 128):
-    """Rows of the padded buffers: the exact maximum of ``sum_g round_up(M_g, align)`` over all group sizes.
-
-    At most ``n = min(num_groups, m_total)`` groups are non-empty and each wastes at most ``align - 1`` rows,
-    so the maximum is ``align * ((m_total - n) // align + n)`` (reached by n - 1 one-row groups and one group
-    with the rest). It is at most ``round_up(m_total, align) + align * num_groups`` and is 0 for m_total == 0.
-    The CUDA binding allocates with the same formula (``padded_rows_upper_bound`` in host/pad_gather.h).
-    """
-    if m_total < 0:
-        raise ValueError(f"m_total must be >= 0, got {m_total}")
-    if num_groups < 1:
-        raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-    if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
-    nonempty = torch.sym_min(num_groups, m_total)
-    return align * ((m_total - nonempty) // align + nonempty)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -120,10 +102,6 @@ def _overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x0 < y0 + y.numel() * y.element_size() and y0 < x0 + x.numel() * x.element_size()
 
 
-def _use_kernels(device: torch.device) -> bool:
-    return device.type == "cuda" and _ext.cuda_kernels_available(device)
-
-
 # --------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------
@@ -148,9 +126,7 @@ def pad_rows_fp8(
         past ``padded_offsets[G]`` are zeros with scale 1.0.
     """
     groups, num_groups = _check_pad_args(a, a_scales, groups, align, num_groups)
-    if _use_kernels(a.device):
-        return _ext.ops().pad_rows_fp8(a, a_scales, groups, num_groups, align)
-    return _pad_reference(a, a_scales, groups, num_groups, align)
+    return ops.kernel("pad_rows_fp8")(a, a_scales, groups, num_groups, align)
 
 
 def unpad_rows(
@@ -173,10 +149,8 @@ def unpad_rows(
     groups, padded_offsets, _ = _check_unpad_args(y_pad, groups, padded_offsets, m_total, out)
     if out is None:
         out = y_pad.new_empty((m_total, y_pad.shape[1]))
-    if _use_kernels(y_pad.device):
-        _ext.ops().unpad_rows_bf16(y_pad, groups, padded_offsets, out)
-        return out
-    return _unpad_reference(y_pad, groups, padded_offsets, out)
+    ops.kernel("unpad_rows_bf16")(y_pad, groups, padded_offsets, out)
+    return out
 
 
 def padded_m_grouped_fp8_gemm(
@@ -201,8 +175,8 @@ def padded_m_grouped_fp8_gemm(
     """
     check_tensor(b, "b", (FP8,), dim=3)
     a_pad, a_scales_pad, padded_offsets = pad_rows_fp8(a, a_scales, groups, align, num_groups=b.shape[0])
-    if not _use_kernels(a.device):
-        # The reference backend reads sizes on the host anyway: give the GEMM exactly the real padded rows,
+    if ops.reference_runs_on(a.device):
+        # The reference reads sizes on the host anyway: give the GEMM exactly the real padded rows,
         # so that its host value check (offsets[G] == rows) holds there. The kernel path keeps the bound.
         rows = int(padded_offsets[-1])
         a_pad, a_scales_pad = a_pad[:rows], a_scales_pad[:rows]
@@ -222,7 +196,7 @@ def pad_rows_fp8_reference(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`pad_rows_fp8` in plain torch: the same outputs, byte for byte."""
     groups, num_groups = _check_pad_args(a, a_scales, groups, align, num_groups)
-    return _pad_reference(a, a_scales, groups, num_groups, align)
+    return R.pad_rows_fp8(a, a_scales, groups, num_groups, align)
 
 
 def unpad_rows_reference(
@@ -236,71 +210,4 @@ def unpad_rows_reference(
     groups, padded_offsets, _ = _check_unpad_args(y_pad, groups, padded_offsets, m_total, out)
     if out is None:
         out = y_pad.new_empty((m_total, y_pad.shape[1]))
-    return _unpad_reference(y_pad, groups, padded_offsets, out)
-
-
-def _exclusive_cumsum(values: List[int]) -> List[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
-
-
-def _row_map(sizes: List[int], src_offsets: List[int], dst_offsets: List[int], device) -> torch.Tensor:
-    """int64 [sum(sizes)]: for row r of group g, src_offsets[g] + r -> dst_offsets[g] + r, indexed by source."""
-    num = torch.tensor(sizes, dtype=torch.int64)
-    shift = torch.tensor(dst_offsets[:-1], dtype=torch.int64) - torch.tensor(src_offsets[:-1], dtype=torch.int64)
-    rows = torch.arange(sum(sizes), dtype=torch.int64)
-    return (rows + torch.repeat_interleave(shift, num)).to(device)
-
-
-def _pad_reference(a, a_scales, groups, num_groups: int, align: int):
-    m, k = a.shape
-    sizes = host_group_sizes(groups, num_groups, m, device=a.device)
-    offsets = _exclusive_cumsum(sizes)
-    padded_offsets = _exclusive_cumsum([(s + align - 1) // align * align for s in sizes])
-    m_pad = padded_row_count_upper_bound(m, num_groups, align)
-    dest = _row_map(sizes, offsets, padded_offsets, a.device)
-
-    a_pad = torch.zeros((m_pad, k), dtype=torch.uint8, device=a.device)
-    a_pad[dest] = a.view(torch.uint8)  # bytes: no FP8 arithmetic
-    a_scales_pad = alloc_1x128_scales(m_pad, (k + 127) // 128, a.device)  # all 1.0; pitch m_pad (a multiple of 16)
-    a_scales_pad[dest] = a_scales
-    return a_pad.view(FP8), a_scales_pad, torch.tensor(padded_offsets, dtype=torch.int32, device=a.device)
-
-
-def _unpad_reference(y_pad, groups, padded_offsets, out):
-    m_total = out.shape[0]
-    num_groups = padded_offsets.numel() - 1
-    sizes = host_group_sizes(groups, num_groups, m_total, device=y_pad.device)
-    padded_sizes = host_group_sizes(padded_offsets, num_groups, device=y_pad.device, name="padded_offsets")
-    short = [g for g in range(num_groups) if padded_sizes[g] < sizes[g]]
-    if short:
-        g = short[0]
-        raise ValueError(
-            f"padded_offsets give group {g} {padded_sizes[g]} rows but it has {sizes[g]}: "
-            "not a padding of these groups"
-        )
-    if sum(padded_sizes) > y_pad.shape[0]:
-        raise ValueError(f"padded_offsets end at row {sum(padded_sizes)}, but y_pad has {y_pad.shape[0]} rows")
-    src = _row_map(sizes, _exclusive_cumsum(sizes), _exclusive_cumsum(padded_sizes), y_pad.device)
-    out.view(torch.int16).copy_(y_pad.view(torch.int16)[src])  # bytes: NaN payloads kept
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# Fake (meta) implementations, so the ops trace under torch.compile / FakeTensor
-# --------------------------------------------------------------------------------------------------------
-
-if _ext.has_extension():
-
-    @torch.library.register_fake("megatron_tma::pad_rows_fp8")
-    def _pad_rows_fp8_fake(a, a_scales, groups, num_groups, align):
-        m, k = a.shape
-        m_pad = padded_row_count_upper_bound(m, num_groups, align)
-        storage = a_scales.new_empty(((k + 127) // 128, m_pad))
-        return a.new_empty((m_pad, k)), storage.t(), groups.new_empty((num_groups + 1,), dtype=torch.int32)
-
-    @torch.library.register_fake("megatron_tma::unpad_rows_bf16")
-    def _unpad_rows_bf16_fake(y_pad, groups, padded_offsets, out):
-        return None
+    return R.unpad_rows_bf16(y_pad, groups, padded_offsets, out)

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _ext
+from . import _ext, ops
 from ._validate import check_aligned16, check_tensor, misalignment16
 from .groups import debug_checks_enabled
 
@@ -79,14 +79,6 @@ def permutation_from_routing_map(routing_map: torch.Tensor, topk: int, probs: Op
     return Permutation(rows, token_rows), routing_map.sum(0), permuted_probs
 
 
-def _combine_reference(y: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
-    acc = torch.zeros(token_rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
-    index = token_rows.long()
-    for j in range(token_rows.shape[1]):  # the kernel's order: j = 0..k-1, each add rounded in FP32
-        acc += y.index_select(0, index[:, j]).float()
-    return acc.to(torch.bfloat16)
-
-
 def _check_row_operand(t, name: str, op: str) -> None:
     """The rules of a gather's input and a combine's input, on every backend and before any work (the GPU's rules:
     csrc/binding/combine_rows.cpp): BF16 `[rows, H]` with H % 8 == 0, since the combine (gather_rows' backward,
@@ -115,9 +107,7 @@ def _check_combine_args(y: torch.Tensor, token_rows: torch.Tensor) -> None:
 
 def run_combine_rows(y: torch.Tensor, token_rows: torch.Tensor, backend: str) -> torch.Tensor:
     """`combine_rows` without its argument checks (callers that checked the plan once)."""
-    if _ext.use_cuda(backend, y.device):
-        return _ext.op("combine_rows")(y, token_rows)
-    return _combine_reference(y, token_rows)
+    return ops.kernel("combine_rows", backend == "reference")(y, token_rows)
 
 
 def check_permutation(permutation, num_rows: Optional[int], x: Optional[torch.Tensor], name: str = "permutation",
@@ -223,6 +213,7 @@ def gather_rows(x: torch.Tensor, permutation: Permutation, *, backend: str = "au
     _ext.check_backend(backend)
     _check_row_operand(x, "x", "gather_rows' backward")
     check_permutation(permutation, None, x)
+    _ext.check_backend(backend, x.device)
     return _GatherRows.apply(x, permutation.rows, permutation.token_rows, backend)
 
 
@@ -235,12 +226,5 @@ def combine_rows(y: torch.Tensor, permutation: Permutation, *, backend: str = "a
     _check_combine_args(y, check_permutation(permutation, None, None, device=y.device).token_rows)
     if y.shape[0] != permutation.rows.shape[0]:
         raise ValueError(f"y must have the permutation's {permutation.rows.shape[0]} rows, got {y.shape[0]}")
+    _ext.check_backend(backend, y.device)
     return _CombineRows.apply(y, permutation.rows, permutation.token_rows, backend)
-
-
-def _fake_combine_rows(y, token_rows):
-    return y.new_empty((token_rows.shape[0], y.shape[1]))
-
-
-if _ext.has_extension():
-    torch.library.register_fake("megatron_tma::combine_rows")(_fake_combine_rows)

@@ -10,13 +10,13 @@
 * ``quantize_1x128_and_grouped_128x1``: the first and the third from one read of x (the backward needs
   dY in both forms, the forward can keep X^T for wgrad): the same outputs, a third less memory traffic.
 
-Backends: ``backend="auto"`` runs the CUDA kernels (csrc/include/megatron_tma/kernels/quantize_*.cuh)
-when the input lives on an sm_90 GPU and the extension is built, else ``megatron_tma.reference``;
-``"cuda"`` insists on the kernels, ``"reference"`` forces the oracle. Both give the same bytes. The
-kernels' ops (``torch.ops.megatron_tma.quantize_*``) allocate their outputs themselves (``torch.empty``;
-every byte, padding included, is written by the kernel), never synchronise and never read the group
-tensor on the host, so they can be captured in a CUDA graph and traced by ``torch.compile`` (fake
-implementations are registered below).
+Each function checks its arguments and calls its op (``torch.ops.megatron_tma.quantize_*``, megatron_tma.ops)
+once: the CUDA kernels (csrc/include/megatron_tma/kernels/quantize_*.cuh) on GPU tensors, the reference
+(``megatron_tma.reference``) on the CPU; ``backend="cuda"`` insists on the kernels, ``"reference"`` runs the
+oracle on any device. Both give the same bytes. The CUDA ops allocate their outputs themselves
+(``torch.empty``; every byte, padding included, is written by the kernel), never synchronise and never read the
+group tensor on the host, so they can be captured in a CUDA graph; their fake kernels let ``torch.compile`` trace
+them.
 
 Input rules (the same for both backends, so code that runs on the CPU runs on the GPU): a contiguous
 bfloat16 or float16 tensor whose last dim (K) is a multiple of 16; for weights N as well. K and N need
@@ -26,9 +26,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _ext
-from ._validate import FP8, check_aligned16, check_tensor
-from .groups import Groups, check_groups, wgrad_pitch
+from . import _ext, ops
+from ._validate import check_aligned16, check_tensor
+from .groups import Groups, check_groups
 from .limits import QUANTIZE_GROUPED_MAX_GROUPS
 
 __all__ = [
@@ -42,10 +42,6 @@ __all__ = [
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GROUPS = QUANTIZE_GROUPED_MAX_GROUPS  # kQuantizeGroupedMaxGroups in csrc/include/megatron_tma/host/quantize.h
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
 
 
 def _check_pow2(pow2) -> None:
@@ -80,18 +76,14 @@ def quantize_1x128(
     _check_dim16(x.shape[1], "K (the last dim of x)", "quantize_1x128")
     _check_pow2(pow2)
     _check_aligned_input(x, "x")
+    _ext.check_backend(backend, x.device)
     return run_1x128(x, pow2, backend)
 
 
 def run_1x128(x: torch.Tensor, pow2: bool, backend: str):
     """`quantize_1x128` without its argument rules, for callers whose x passed them already (the autograd Functions'
     entry checks); the op's precondition checks still guard the kernel."""
-    if _ext.use_cuda(backend, x.device):
-        q, s = _ext.op("quantize_1x128")(x, pow2)
-        return q, s
-    from . import reference
-
-    return reference.quantize_1x128(x, pow2)
+    return ops.kernel("quantize_1x128", backend == "reference")(x, pow2)
 
 
 def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "auto"):
@@ -109,13 +101,11 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "aut
     _check_dim16(w.shape[-1], "K (the last dim of w)", "quantize_128x128")
     _check_pow2(pow2)
     _check_aligned_input(w, "w")
-    if not _ext.use_cuda(backend, w.device):
-        from . import reference
-
-        return reference.quantize_128x128(w, pow2)
-    if w.dim() == 2:
-        return tuple(t[0] for t in _ext.ops().quantize_128x128(w.unsqueeze(0), pow2))
-    q, s, qt, st = _ext.ops().quantize_128x128(w, pow2)
+    _ext.check_backend(backend, w.device)
+    quantize = ops.kernel("quantize_128x128", backend == "reference")
+    if w.dim() == 2:  # (the op takes [G, N, K])
+        return tuple(t[0] for t in quantize(w.unsqueeze(0), pow2))
+    q, s, qt, st = quantize(w, pow2)
     return q, s, qt, st
 
 
@@ -152,17 +142,13 @@ def quantize_grouped_128x1(
     ``[K, 128 G]`` and ``[G, K]``. Both backends write every byte (the same bytes).
     """
     groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_grouped_128x1")
+    _ext.check_backend(backend, x.device)
     return run_grouped_128x1(x, groups, pow2, backend)
 
 
 def run_grouped_128x1(x: torch.Tensor, groups: Groups, pow2: bool, backend: str):
     """`quantize_grouped_128x1` without its argument rules (as `run_1x128`)."""
-    if _ext.use_cuda(backend, x.device):
-        qt, s = _ext.op("quantize_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
-        return qt, s
-    from . import reference
-
-    return reference.quantize_grouped_128x1(x, groups, pow2, num_groups=groups.num_groups)
+    return ops.kernel("quantize_grouped_128x1", backend == "reference")(x, groups.tensor, groups.num_groups, pow2)
 
 
 def quantize_1x128_and_grouped_128x1(
@@ -180,72 +166,19 @@ def quantize_1x128_and_grouped_128x1(
     scales (wgrad's operand), byte for byte what the two separate calls return.
     """
     groups = _check_grouped_args(x, groups, pow2, num_groups, "quantize_1x128_and_grouped_128x1")
+    _ext.check_backend(backend, x.device)
     return run_1x128_and_grouped_128x1(x, groups, pow2, backend)
 
 
 def run_1x128_and_grouped_128x1(x: torch.Tensor, groups: Groups, pow2: bool, backend: str):
     """`quantize_1x128_and_grouped_128x1` without its argument rules (as `run_1x128`)."""
-    if _ext.use_cuda(backend, x.device):
-        q, s, qt, s_t = _ext.op("quantize_1x128_and_grouped_128x1")(x, groups.tensor, groups.num_groups, pow2)
-        return q, s, qt, s_t
-    from . import reference
-
-    return reference.quantize_1x128(x, pow2) + reference.quantize_grouped_128x1(x, groups, pow2,
-                                                                                num_groups=groups.num_groups)
+    return ops.kernel("quantize_1x128_and_grouped_128x1", backend == "reference")(x, groups.tensor, groups.num_groups,
+                                                                                  pow2)
 
 
 def run_gather_1x128_and_grouped_128x1(x: torch.Tensor, rows: torch.Tensor, groups: Groups, pow2: bool, backend: str):
     """`run_1x128_and_grouped_128x1` of the gathered rows `x[rows]` (rows: int32 `[M]` on x's device, each in
     `[0, x.shape[0])`; groups describe the M gathered rows), the gather fused into the kernel's read: the same
     bytes, and the gathered BF16 rows are never written (megatron_tma.permutation)."""
-    if _ext.use_cuda(backend, x.device):
-        return _ext.op("gather_quantize_1x128_and_grouped_128x1")(x, rows, groups.tensor, groups.num_groups, pow2)
-    return run_1x128_and_grouped_128x1(x.index_select(0, rows), groups, pow2, backend)
-
-
-# Fake (meta) implementations: shapes and strides of the ops' outputs without running them, so that
-# torch.compile can trace through the quantizers. They mirror the allocations in csrc/binding/quantize.cpp
-# (tests/test_quant_api.py checks them against the reference layouts on meta tensors).
-def _fake_quantize_1x128(x, pow2=False):
-    m, k = x.shape
-    q = x.new_empty((m, k), dtype=FP8)
-    s = x.new_empty((_cdiv(k, 128), _cdiv(m, 4) * 4), dtype=torch.float32)
-    return q, s[:, :m].t()
-
-
-def _fake_quantize_128x128(w, pow2=False):
-    g, n, k = w.shape
-    nb, kb = _cdiv(n, 128), _cdiv(k, 128)
-    return (
-        w.new_empty((g, n, k), dtype=FP8),
-        w.new_empty((g, nb, kb), dtype=torch.float32),
-        w.new_empty((g, k, n), dtype=FP8),
-        w.new_empty((g, kb, nb), dtype=torch.float32),
-    )
-
-
-def _fake_quantize_grouped_128x1(x, groups, num_groups, pow2=False):
-    m, k = x.shape
-    qt = x.new_empty((k, wgrad_pitch(m, num_groups)), dtype=FP8)  # contiguous [K, P]
-    return qt, x.new_empty((m // 128 + num_groups, k), dtype=torch.float32)
-
-
-def _fake_quantize_1x128_and_grouped_128x1(x, groups, num_groups, pow2=False):
-    return _fake_quantize_1x128(x) + _fake_quantize_grouped_128x1(x, groups, num_groups)
-
-
-def _fake_gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, pow2=False):
-    gathered = x.new_empty((rows.shape[0], x.shape[1]))
-    return _fake_quantize_1x128_and_grouped_128x1(gathered, groups, num_groups)
-
-
-if _ext.has_extension():
-    torch.library.register_fake("megatron_tma::quantize_1x128")(_fake_quantize_1x128)
-    torch.library.register_fake("megatron_tma::quantize_128x128")(_fake_quantize_128x128)
-    torch.library.register_fake("megatron_tma::quantize_grouped_128x1")(_fake_quantize_grouped_128x1)
-    torch.library.register_fake("megatron_tma::quantize_1x128_and_grouped_128x1")(
-        _fake_quantize_1x128_and_grouped_128x1
-    )
-    torch.library.register_fake("megatron_tma::gather_quantize_1x128_and_grouped_128x1")(
-        _fake_gather_quantize_1x128_and_grouped_128x1
-    )
+    return ops.kernel("gather_quantize_1x128_and_grouped_128x1", backend == "reference")(x, rows, groups.tensor,
+                                                                                         groups.num_groups, pow2)

@@ -416,3 +416,141 @@ def unpad_rows(y_pad: torch.Tensor, groups: torch.Tensor, align: int, num_groups
     if y_pad.shape[0] != total:
         raise ValueError(f"y_pad has {y_pad.shape[0]} rows, but the groups padded to {align} have {total}")
     return y_pad[_padded_row_index(sizes, align, y_pad.device)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The expert activation times the routing probs (megatron_tma.activation): FP32 math from h, one rounding
+# --------------------------------------------------------------------------------------------------
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu", "geglu")  # index = the kernels' activation id (host/activation.h)
+GATED = ("swiglu", "geglu")  # h = [gate | up]: `[T, 2F]`, act(gate) * up
+
+
+def _activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        return F.silu(h[:, :f]) * h[:, f:]
+    if activation == "geglu":
+        f = h.shape[1] // 2
+        return F.gelu(h[:, :f]) * h[:, f:]
+    if activation == "gelu":
+        return F.gelu(h)  # the exact (erf) GELU, Megatron's F.gelu
+    return torch.relu(h).square()
+
+
+def _activation_backward(da: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(h) / dh applied to da, for FP32 h."""
+    if activation == "swiglu":
+        f = h.shape[1] // 2
+        gate, up = h[:, :f], h[:, f:]
+        return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=1)
+    if activation == "geglu":
+        f = h.shape[1] // 2
+        gate, up = h[:, :f], h[:, f:]
+        return torch.cat([torch.ops.aten.gelu_backward(da * up, gate), da * F.gelu(gate)], dim=1)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(da, h)
+    return da * (2.0 * torch.relu(h))
+
+
+def _row_sum(v: torch.Tensor) -> torch.Tensor:
+    """Row sums of an FP32 `[T, F]` tensor by pairwise halving, so that each row's rounding is fixed by F alone.
+
+    torch's reductions split a row's sum differently depending on how many rows there are (threads on the CPU,
+    CTAs per output on the GPU), which would make the padded twin's probs gradient differ in the last bit.
+    Elementwise adds of column halves do not (about log2(F) small launches; twice the traffic of one pass).
+    """
+    while v.shape[1] > 1:
+        half = v.shape[1] // 2
+        s = v[:, :half] + v[:, half : 2 * half]
+        if v.shape[1] % 2:
+            s[:, :1] += v[:, -1:]
+        v = s
+    return v[:, 0]
+
+
+def act_times_probs_forward(h: torch.Tensor, probs: Optional[torch.Tensor], activation: str) -> torch.Tensor:
+    """z = act(h) * probs[:, None] in FP32 from h, one rounding to h's dtype."""
+    a = _activation(h.float(), activation)
+    if probs is not None:
+        a.mul_(probs.float().unsqueeze(1))
+    return a.to(h.dtype)
+
+
+def act_times_probs_backward(dz: torch.Tensor, h: torch.Tensor, probs: Optional[torch.Tensor], activation: str,
+                             need_dh: bool = True, need_dprobs: bool = True):
+    """(dh or None, dprobs in probs' dtype or None) of z = act(h) * probs[:, None] for the upstream gradient dz."""
+    need_dprobs = need_dprobs and probs is not None
+    h32, dz32 = h.float(), dz.float()
+    dh = dprobs = None
+    if need_dprobs:
+        dprobs = _row_sum(dz32 * _activation(h32, activation)).to(probs.dtype)
+    if need_dh:
+        da = dz32 * probs.float().unsqueeze(1) if probs is not None else dz32
+        dh = _activation_backward(da, h32, activation).to(h.dtype)
+    return dh, dprobs
+
+
+# --------------------------------------------------------------------------------------------------
+# The MoE permutation's combine (megatron_tma.permutation)
+# --------------------------------------------------------------------------------------------------
+def combine_rows(y: torch.Tensor, token_rows: torch.Tensor) -> torch.Tensor:
+    """Each token's k rows of y added in FP32 in ascending order from +0, rounded once (megatron_tma.permutation)."""
+    acc = torch.zeros(token_rows.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    index = token_rows.long()
+    for j in range(token_rows.shape[1]):  # the kernel's order: j = 0..k-1, each add rounded in FP32
+        acc += y.index_select(0, index[:, j]).float()
+    return acc.to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# The padded baseline's row gathers (megatron_tma.padding); they read the group sizes on the host
+# --------------------------------------------------------------------------------------------------
+def _exclusive_cumsum(values: List[int]) -> List[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _row_map(sizes: List[int], src_offsets: List[int], dst_offsets: List[int], device) -> torch.Tensor:
+    """int64 [sum(sizes)]: for row r of group g, src_offsets[g] + r -> dst_offsets[g] + r, indexed by source."""
+    num = torch.tensor(sizes, dtype=torch.int64)
+    shift = torch.tensor(dst_offsets[:-1], dtype=torch.int64) - torch.tensor(src_offsets[:-1], dtype=torch.int64)
+    rows = torch.arange(sum(sizes), dtype=torch.int64)
+    return (rows + torch.repeat_interleave(shift, num)).to(device)
+
+
+def pad_rows_fp8(a, a_scales, groups, num_groups: int, align: int):
+    """megatron_tma.padding.pad_rows_fp8 (the op's arguments): every group padded to a multiple of align rows."""
+    m, k = a.shape
+    sizes = _groups.host_group_sizes(groups, num_groups, m, device=a.device)
+    offsets = _exclusive_cumsum(sizes)
+    padded_offsets = _exclusive_cumsum([(s + align - 1) // align * align for s in sizes])
+    m_pad = _groups.padded_row_count_upper_bound(m, num_groups, align)
+    dest = _row_map(sizes, offsets, padded_offsets, a.device)
+
+    a_pad = torch.zeros((m_pad, k), dtype=torch.uint8, device=a.device)
+    a_pad[dest] = a.view(torch.uint8)  # bytes: no FP8 arithmetic
+    a_scales_pad = alloc_1x128_scales(m_pad, (k + 127) // 128, a.device)  # all 1.0; pitch m_pad (a multiple of 16)
+    a_scales_pad[dest] = a_scales
+    return a_pad.view(FP8), a_scales_pad, torch.tensor(padded_offsets, dtype=torch.int32, device=a.device)
+
+
+def unpad_rows_bf16(y_pad, groups, padded_offsets, out):
+    """megatron_tma.padding.unpad_rows into out (the op's arguments): the valid rows of y_pad."""
+    m_total = out.shape[0]
+    num_groups = padded_offsets.numel() - 1
+    sizes = _groups.host_group_sizes(groups, num_groups, m_total, device=y_pad.device)
+    padded_sizes = _groups.host_group_sizes(padded_offsets, num_groups, device=y_pad.device, name="padded_offsets")
+    short = [g for g in range(num_groups) if padded_sizes[g] < sizes[g]]
+    if short:
+        g = short[0]
+        raise ValueError(
+            f"padded_offsets give group {g} {padded_sizes[g]} rows but it has {sizes[g]}: "
+            "not a padding of these groups"
+        )
+    if sum(padded_sizes) > y_pad.shape[0]:
+        raise ValueError(f"padded_offsets end at row {sum(padded_sizes)}, but y_pad has {y_pad.shape[0]} rows")
+    src = _row_map(sizes, _exclusive_cumsum(sizes), _exclusive_cumsum(padded_sizes), y_pad.device)
+    out.view(torch.int16).copy_(y_pad.view(torch.int16)[src])  # bytes: NaN payloads kept
+    return out

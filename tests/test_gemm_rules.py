@@ -1,21 +1,21 @@
 """The GEMMs' argument rules, run once per call on every backend (megatron_tma/gemm.py), and group descriptions
 checked once (megatron_tma.groups.Groups), on the CPU.
 
-The CUDA backend's path is exercised with a recording stand-in for the C++ op (`_ext.use_cuda` forced true): a bad
-input raises the API's error before any op, with the same wording as on the reference backend, and a good one
-reaches the op once with the groups' tensor. (tests/test_gemm_op_preconditions_gpu.py checks on the H200 that the real
+The op path (`backend="auto"`: `torch.ops.megatron_tma.*`, whose kernel the device picks) is exercised with a
+recording stand-in for the op: a bad input raises the API's error before any op, with the same wording as on the
+reference backend, and a good one reaches the op once with the groups' tensor. (tests/test_gemm_op_preconditions_gpu.py checks on the H200 that the real
 ops refuse what these rules refuse.)"""
 import pytest
 import torch
 
-from megatron_tma import _ext, gemm
+from megatron_tma import gemm, ops
 from megatron_tma import groups as G
 from megatron_tma import reference as R
 from megatron_tma.groups import Groups, check_groups
 
 
 class RecordingOp:
-    """Stands in for a C++ op on the CUDA path: records each call."""
+    """Stands in for the GEMM ops: records each call."""
 
     def __init__(self):
         self.calls = []
@@ -25,11 +25,11 @@ class RecordingOp:
 
 
 @pytest.fixture
-def cuda_path(monkeypatch):
-    """Route the wrappers' `backend="auto"` to the op, which records instead of launching."""
+def op_path(monkeypatch):
+    """The ops that the wrappers' `backend="auto"` calls record instead of running."""
     op = RecordingOp()
-    monkeypatch.setattr(_ext, "use_cuda", lambda backend, device: backend != "reference")
-    monkeypatch.setattr(_ext, "op", lambda name: op)
+    for name in ("m_grouped_fp8_gemm_out", "k_grouped_fp8_gemm_out"):
+        monkeypatch.setitem(ops._OPS, name, op)
     return op
 
 
@@ -62,16 +62,16 @@ M_BAD = [
 ]
 
 
-def test_m_grouped_good_input_reaches_the_op_once_with_the_groups_tensor(cuda_path):
+def test_m_grouped_good_input_reaches_the_op_once_with_the_groups_tensor(op_path):
     args = _m_args()
     out = gemm.m_grouped_fp8_gemm(**args, block_n=128)
-    assert len(cuda_path.calls) == 1 and out.shape == (200, 128) and out.dtype == torch.bfloat16
-    call = cuda_path.calls[0]
+    assert len(op_path.calls) == 1 and out.shape == (200, 128) and out.dtype == torch.bfloat16
+    call = op_path.calls[0]
     assert call[0] is args["a"] and call[4] is args["groups"] and call[5] is out and call[6:] == (128, 0)
     checked = check_groups(args["groups"], 3, m_total=200)
     given = torch.empty(200, 128, dtype=torch.bfloat16)
     assert gemm.m_grouped_fp8_gemm(**{**args, "groups": checked}, out=given) is given
-    assert cuda_path.calls[1][4] is checked.tensor and cuda_path.calls[1][5] is given
+    assert op_path.calls[1][4] is checked.tensor and op_path.calls[1][5] is given
 
 
 K_BAD = [
@@ -104,19 +104,19 @@ BAD = [("m_grouped", *case) for case in M_BAD] + [("k_grouped", *case) for case 
 
 
 @pytest.mark.parametrize("which,mutate,extra,exc,match", BAD)
-def test_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(cuda_path, which, mutate, extra, exc, match):
+def test_bad_input_gets_one_error_on_both_backends_and_never_reaches_the_op(op_path, which, mutate, extra, exc, match):
     args = _m_args() if which == "m_grouped" else _k_args()
     fn = gemm.m_grouped_fp8_gemm if which == "m_grouped" else gemm.k_grouped_fp8_gemm
     args.update({k: f(args[k]) for k, f in mutate.items()})
     messages = []
-    for backend in ("auto", "reference"):  # "auto" takes the (recorded) CUDA path here
+    for backend in ("auto", "reference"):  # "auto" takes the (recorded) op path
         with pytest.raises(exc, match=match) as err:
             fn(**args, **extra, backend=backend)
         messages.append(str(err.value))
-    assert messages[0] == messages[1] and cuda_path.calls == []
+    assert messages[0] == messages[1] and op_path.calls == []
 
 
-def test_both_gemms_refuse_sizes_that_cover_fewer_tokens_than_their_operands(cuda_path):
+def test_both_gemms_refuse_sizes_that_cover_fewer_tokens_than_their_operands(op_path):
     """Issue 34 item 8: one rule for both GEMMs. The M-grouped GEMM refused sizes that leave rows of `a` in no group;
     the K-grouped one took the same sizes and returned the dW of the covered tokens only."""
     m, k = _m_args(), _k_args()
@@ -125,18 +125,18 @@ def test_both_gemms_refuse_sizes_that_cover_fewer_tokens_than_their_operands(cud
         for backend in ("auto", "reference"):
             with pytest.raises(ValueError, match="group sizes sum to"):
                 fn(**{**args, "groups": short}, backend=backend)
-    assert cuda_path.calls == []
+    assert op_path.calls == []
 
 
-def test_k_grouped_takes_g_from_out_num_groups_or_sizes(cuda_path):
+def test_k_grouped_takes_g_from_out_num_groups_or_sizes(op_path):
     args = _k_args()
     dw = gemm.k_grouped_fp8_gemm(**args, out_dtype=torch.bfloat16)
-    assert dw.shape == (3, 64, 128) and dw.dtype == torch.bfloat16 and cuda_path.calls[-1][5] is dw
+    assert dw.shape == (3, 64, 128) and dw.dtype == torch.bfloat16 and op_path.calls[-1][5] is dw
     offsets = torch.tensor([0, 100, 100, 160])
     assert gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, num_groups=3).shape == (3, 64, 128)
     c = torch.zeros(3, 64, 128)
     assert gemm.k_grouped_fp8_gemm(**{**args, "groups": offsets}, out=c, accumulate=True) is c
-    assert cuda_path.calls[-1][4] is offsets and cuda_path.calls[-1][6] is True
+    assert op_path.calls[-1][4] is offsets and op_path.calls[-1][6] is True
 
 
 # ------------------------------------------------------------------------------------------------------------------

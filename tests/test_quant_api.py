@@ -4,7 +4,7 @@ import pytest
 import torch
 from _dists import group_tensor, random_rows
 
-from megatron_tma import quant
+from megatron_tma import ops
 from megatron_tma import reference as R
 from megatron_tma.groups import aligned_token_offsets
 from megatron_tma.quant import quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128, quantize_grouped_128x1
@@ -109,7 +109,7 @@ def test_validation_messages(call, exc, match):
 @pytest.mark.parametrize("m,k", [(0, 128), (1, 16), (5, 272), (130, 128)])
 def test_fake_1x128_matches_reference_layout(m, k):
     x = torch.zeros(m, k, dtype=torch.bfloat16)
-    (fq, fs), (rq, rs) = quant._fake_quantize_1x128(x.to("meta")), R.quantize_1x128(x)
+    (fq, fs), (rq, rs) = ops._fake_quantize_1x128(x.to("meta")), R.quantize_1x128(x)
     assert same_layout(fq, rq) and same_layout(fs, rs)
     assert fs.untyped_storage().nbytes() == rs.untyped_storage().nbytes()  # the pad entries
 
@@ -117,7 +117,7 @@ def test_fake_1x128_matches_reference_layout(m, k):
 @pytest.mark.parametrize("shape", [(1, 16, 16), (2, 144, 272)])
 def test_fake_128x128_matches_reference_layout(shape):
     w = torch.zeros(shape, dtype=torch.bfloat16)
-    for f, r in zip(quant._fake_quantize_128x128(w.to("meta")), R.quantize_128x128(w), strict=True):
+    for f, r in zip(ops._fake_quantize_128x128(w.to("meta")), R.quantize_128x128(w), strict=True):
         assert same_layout(f, r)
 
 
@@ -125,7 +125,7 @@ def test_fake_128x128_matches_reference_layout(shape):
                                    [0, 1, 15, 16, 17, 127, 128, 129]])
 def test_fake_grouped_matches_reference_layout(sizes):
     x = torch.zeros(sum(sizes), 48, dtype=torch.bfloat16)
-    fake = quant._fake_quantize_grouped_128x1(x.to("meta"), torch.tensor(sizes).to("meta"), len(sizes))
+    fake = ops._fake_quantize_grouped_128x1(x.to("meta"), torch.tensor(sizes).to("meta"), len(sizes))
     for f, r in zip(fake, R.quantize_grouped_128x1(x, torch.tensor(sizes)), strict=True):
         assert same_layout(f, r) and f.is_contiguous()
         assert f.untyped_storage().nbytes() == r.untyped_storage().nbytes()
@@ -135,6 +135,6 @@ def test_fake_grouped_matches_reference_layout(sizes):
 
 def test_fake_fused_is_the_two_fakes():
     x, sizes = torch.zeros(300, 48, dtype=torch.bfloat16), torch.tensor([0, 299, 1])
-    fake = quant._fake_quantize_1x128_and_grouped_128x1(x.to("meta"), sizes.to("meta"), 3)
+    fake = ops._fake_quantize_1x128_and_grouped_128x1(x.to("meta"), sizes.to("meta"), 3)
     ref = R.quantize_1x128(x) + R.quantize_grouped_128x1(x, sizes)
     assert len(fake) == 4 and all(same_layout(f, r) for f, r in zip(fake, ref))

@@ -71,13 +71,7 @@ std::tuple<at::Tensor, at::Tensor> act_times_probs_backward(const at::Tensor& dz
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
-  m.def("act_times_probs_forward(Tensor h, Tensor? probs, int activation) -> Tensor");
-  m.def(
-      "act_times_probs_backward(Tensor dz, Tensor h, Tensor? probs, int activation, bool need_dprobs) -> "
-      "(Tensor, Tensor)");
-}
-
+// The schemas are megatron_tma/ops.py's (with the CPU and fake kernels): this file registers the CUDA kernels only.
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
   m.impl("act_times_probs_forward", &act_times_probs_forward);
   m.impl("act_times_probs_backward", &act_times_probs_backward);

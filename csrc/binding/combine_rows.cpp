@@ -34,6 +34,5 @@ at::Tensor combine_rows(const at::Tensor& y, const at::Tensor& token_rows) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_tma, m) { m.def("combine_rows(Tensor y, Tensor token_rows) -> Tensor"); }
-
+// The schema is megatron_tma/ops.py's (with the CPU and fake kernels): this file registers the CUDA kernel only.
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) { m.impl("combine_rows", &combine_rows); }

@@ -95,10 +95,9 @@ std::vector<int64_t> k_grouped_fp8_gemm_tile(int64_t n, int64_t k, int64_t num_g
 
 }  // namespace
 
+// k_grouped_fp8_gemm_out's schema is megatron_tma/ops.py's (with the CPU and fake kernels): its CUDA kernel is
+// registered below. The tile query (host ints in and out, the launcher's choice) is no device op: defined here.
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
-  m.def(
-      "k_grouped_fp8_gemm_out(Tensor dy_t, Tensor dy_t_scales, Tensor x_t, Tensor x_t_scales, Tensor groups, "
-      "Tensor(a!) out, bool accumulate, int block_m=0) -> ()");
   m.def("k_grouped_fp8_gemm_tile(int n, int k, int num_groups, bool out_bf16=False, int block_m=0) -> int[]",
         &k_grouped_fp8_gemm_tile);
 }

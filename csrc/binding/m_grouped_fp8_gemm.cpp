@@ -92,10 +92,9 @@ std::vector<int64_t> m_grouped_fp8_gemm_tile(int64_t m_total, int64_t n, int64_t
 
 }  // namespace
 
+// m_grouped_fp8_gemm_out's schema is megatron_tma/ops.py's (with the CPU and fake kernels): its CUDA kernel is
+// registered below. The tile query (host ints in and out, the launcher's choice) is no device op: defined here.
 TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
-  m.def(
-      "m_grouped_fp8_gemm_out(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor groups, "
-      "Tensor(a!) out, int block_n=0, int block_m=0) -> ()");
   m.def("m_grouped_fp8_gemm_tile(int m_total, int n, int num_groups, int block_n=0, int block_m=0) -> int[]",
         &m_grouped_fp8_gemm_tile);
 }

@@ -93,13 +93,7 @@ void unpad_rows_bf16(const at::Tensor& y_pad, const at::Tensor& groups, const at
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
-  m.def(
-      "pad_rows_fp8(Tensor a, Tensor a_scales, Tensor groups, int num_groups, int align) -> "
-      "(Tensor, Tensor, Tensor)");
-  m.def("unpad_rows_bf16(Tensor y_pad, Tensor groups, Tensor padded_offsets, Tensor(a!) out) -> ()");
-}
-
+// The schemas are megatron_tma/ops.py's (with the CPU and fake kernels): this file registers the CUDA kernels only.
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
   m.impl("pad_rows_fp8", &pad_rows_fp8);
   m.impl("unpad_rows_bf16", &unpad_rows_bf16);

@@ -1,7 +1,7 @@
 // torch binding of the FP8 block quantizers (instantiations/quantize.cu): checks what the kernels assume,
 // allocates every output here in its docs/layouts.md layout (torch.empty: the kernels write all bytes,
 // padding included), launches on the current stream. megatron_tma/quant.py gives the same errors first
-// and registers the fake (meta) implementations; these checks keep the ops safe through torch.ops.
+// (megatron_tma/ops.py defines the ops and their fake kernels); these checks keep the ops safe through torch.ops.
 #include <climits>
 
 #include <ATen/ATen.h>
@@ -152,18 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_quantize_1x128
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(megatron_tma, m) {
-  m.def("quantize_1x128(Tensor x, bool pow2=False) -> (Tensor, Tensor)");
-  m.def("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("quantize_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) -> (Tensor, Tensor)");
-  m.def(
-      "quantize_1x128_and_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "gather_quantize_1x128_and_grouped_128x1(Tensor x, Tensor rows, Tensor groups, int num_groups, bool pow2=False) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
-}
-
+// The schemas are megatron_tma/ops.py's (with the CPU and fake kernels): this file registers the CUDA kernels only.
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
   m.impl("quantize_1x128", &quantize_1x128);
   m.impl("quantize_128x128", &quantize_128x128);
