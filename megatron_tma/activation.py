@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import _ext, ops
-from ._validate import not_twice_differentiable
+from ._validate import misalignment16, not_twice_differentiable
 from .reference import ACTIVATIONS, GATED
 
 __all__ = ["ACTIVATIONS", "GATED", "activation_times_probs", "act_times_probs_forward", "act_times_probs_backward",
@@ -69,11 +69,9 @@ class _ActivationTimesProbs(torch.autograd.Function):
 
 
 def _aligned16(t: torch.Tensor) -> bool:
-    """16-byte aligned start. Eagerly the real address; under torch.compile (which cannot trace `data_ptr()`) the
-    storage offset, since the caching allocator's blocks are 512-byte aligned. The binding checks the address."""
-    if torch.compiler.is_compiling():
-        return t.storage_offset() * t.element_size() % 16 == 0
-    return t.data_ptr() % 16 == 0
+    """16-byte aligned start (under torch.compile taken as true: megatron_tma._validate.misalignment16 says why; the
+    binding checks the address)."""
+    return misalignment16(t) == 0
 
 
 def _kernel_fits(h: torch.Tensor, activation: str) -> bool:

@@ -178,8 +178,12 @@ def _quantize_stacked(stacked: torch.Tensor, pow2: bool, backend: str) -> Quanti
 
 def quantized_weights(weights: Tuple[torch.Tensor, ...], cache: Optional["FP8WeightCache"], pow2: bool,
                       backend: str) -> QuantizedWeights:
-    """The weights' FP8 copies: from the layer's cache, or made now when there is none."""
-    return cache.get(weights, pow2, backend) if cache is not None else quantize_weights(weights, pow2, backend)
+    """The weights' FP8 copies: from the layer's cache, or made now when there is none. Code that torch.compile traces
+    quantizes them every call: the cache's bookkeeping (data pointers, version counters) is host state a graph cannot
+    hold, and the copies are the same bits either way."""
+    if cache is None or torch.compiler.is_compiling():
+        return quantize_weights(weights, pow2, backend)
+    return cache.get(weights, pow2, backend)
 
 
 # Optimizer steps. Version counters do not see every weight update: torch's fused optimizers (`Adam`, `AdamW`, `SGD`,

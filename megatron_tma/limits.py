@@ -30,12 +30,15 @@ PAD_GATHER_MAX_GROUPS = 8192
 # its wgrad the K-grouped one.
 MAX_EXPERTS = min(M_GROUPED_MAX_GROUPS, K_GROUPED_MAX_GROUPS)
 
+# (a dict, not globals(): the checks run inside code that torch.compile traces, which cannot call globals())
+_LIMITS = {"M_GROUPED_MAX_GROUPS": M_GROUPED_MAX_GROUPS, "K_GROUPED_MAX_GROUPS": K_GROUPED_MAX_GROUPS,
+           "QUANTIZE_GROUPED_MAX_GROUPS": QUANTIZE_GROUPED_MAX_GROUPS, "PAD_GATHER_MAX_GROUPS": PAD_GATHER_MAX_GROUPS}
 
 
 def check_num_groups(num_groups: int, limit: str, what: str) -> None:
     """ValueError naming `what` (the op) and the limit (the name of one of the constants above), if num_groups
     exceeds it."""
-    value = globals()[limit]
+    value = _LIMITS[limit]
     if num_groups > value:
         raise ValueError(f"{what}: {num_groups} groups, more than the CUDA kernel takes "
                          f"(megatron_tma.limits.{limit} = {value}; the same limit on every backend)")

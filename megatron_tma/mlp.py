@@ -279,7 +279,9 @@ class GroupedFP8Linear(_GroupedWeights):
         replica.weight_cache = FP8WeightCache()
         return replica
 
-    def _cache(self) -> FP8WeightCache:
+    def _cache(self) -> Optional[FP8WeightCache]:
+        if torch.compiler.is_compiling():  # no cache in a compiled graph (autograd.quantized_weights says why)
+            return None
         if self.is_first_microbatch or (not self.graph_reuses_cached_weights and capturing()):
             self.weight_cache.invalidate()
             self.is_first_microbatch = False

@@ -105,6 +105,15 @@ def _fake_gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, p
     return _fake_quantize_1x128_and_grouped_128x1(gathered, groups, num_groups)
 
 
+def _quantize_128x128(w, pow2=False):
+    q, s, qt, st = R.quantize_128x128(w, pow2)
+    if st.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
+        # one scale block per row or per column: the reference's st is a view of s, and an op's outputs must not
+        # alias one another (torch.library's rule for what torch.compile may assume)
+        st = st.clone()
+    return q, s, qt, st
+
+
 def _quantize_grouped_128x1(x, groups, num_groups, pow2=False):
     return R.quantize_grouped_128x1(x, _groups(groups, num_groups), pow2, num_groups=num_groups)
 
@@ -118,7 +127,7 @@ def _gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, pow2=F
 
 
 _define("quantize_1x128(Tensor x, bool pow2=False) -> (Tensor, Tensor)", R.quantize_1x128, _fake_quantize_1x128)
-_define("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)", R.quantize_128x128,
+_define("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)", _quantize_128x128,
         _fake_quantize_128x128)
 _define("quantize_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) -> (Tensor, Tensor)",
         _quantize_grouped_128x1, _fake_quantize_grouped_128x1)
