@@ -1,5 +1,5 @@
 """Host time of one expert-MLP training step on the CUDA code path, measured on a CPU machine: every C++ op of the
-extension is replaced by a CPU fake that only allocates its outputs (the ops' own fake implementations), so what is
+op is replaced by a CPU fake that only allocates its outputs (the ops' own fake kernels, megatron_tma.ops), so what is
 timed is the package's Python (argument checks, weight cache, autograd Functions, module code) plus torch's
 autograd engine, not kernel launches. It answers "how much host time does a step spend outside the ops" without
 device time; on the GPU, `lab/probe_step_host.py` and `lab/profile_mlp_layer.py` time the real thing.
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import bench_mlp_layer as bml  # noqa: E402
 
-from megatron_tma import _ext, quant  # noqa: E402
+from megatron_tma import _ext, ops  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 
@@ -57,10 +57,10 @@ def _fake_ops():
         return torch.empty_like(h), h.new_empty(h.shape[0], dtype=torch.float32)
 
     return types.SimpleNamespace(
-        quantize_1x128=quant._fake_quantize_1x128,
-        quantize_128x128=quant._fake_quantize_128x128,
-        quantize_grouped_128x1=quant._fake_quantize_grouped_128x1,
-        quantize_1x128_and_grouped_128x1=quant._fake_quantize_1x128_and_grouped_128x1,
+        quantize_1x128=ops._fake_quantize_1x128,
+        quantize_128x128=ops._fake_quantize_128x128,
+        quantize_grouped_128x1=ops._fake_quantize_grouped_128x1,
+        quantize_1x128_and_grouped_128x1=ops._fake_quantize_1x128_and_grouped_128x1,
         m_grouped_fp8_gemm_out=m_grouped_out,
         k_grouped_fp8_gemm_out=k_grouped_out,
         act_times_probs_forward=act_forward,
@@ -69,11 +69,9 @@ def _fake_ops():
 
 
 def install_fake_ops():
-    """Route every `backend="auto"` call of the package to the CPU fakes (this process only)."""
-    fake = _fake_ops()
-    _ext.ops = lambda: fake
-    _ext.use_cuda = lambda backend, device: backend != "reference"
-    _ext.op = lambda name: getattr(fake, name)
+    """Route every op the package calls (`ops.kernel(name)`) to the CPU fakes (this process only)."""
+    for name, fake in vars(_fake_ops()).items():
+        ops._OPS[name] = fake
     _ext.cuda_kernels_available = lambda device=None: True
 
 
