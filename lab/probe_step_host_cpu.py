@@ -1,6 +1,6 @@
-"""Host time of one expert-MLP training step on the CUDA code path, measured on a CPU machine: every C++ op of the
-op is replaced by a CPU fake that only allocates its outputs (the ops' own fake kernels, megatron_tma.ops), so what is
-timed is the package's Python (argument checks, weight cache, autograd Functions, module code) plus torch's
+"""Host time of one expert-MLP training step on the CUDA code path, measured on a CPU machine: every op of the
+package is replaced by a CPU fake that only allocates its outputs (the ops' own fake kernels, megatron_tma.ops), so
+what is timed is the package's Python (argument checks, weight cache, autograd Functions, module code) plus torch's
 autograd engine, not kernel launches. It answers "how much host time does a step spend outside the ops" without
 device time; on the GPU, `lab/probe_step_host.py` and `lab/profile_mlp_layer.py` time the real thing.
 
