@@ -9,7 +9,8 @@ Public API (all take device group sizes/offsets; none reads them on the host):
     fp8_grouped_linear, FP8WeightCache                          (megatron_tma.autograd)
     GroupedFP8MLP, GroupedBF16MLP                               (megatron_tma.mlp)
     activation_times_probs                                      (megatron_tma.activation, fused on Hopper)
-The plain-torch numerics oracle is `megatron_tma.reference` (the CPU kernels of the ops, `megatron_tma.ops`); group bookkeeping is `megatron_tma.groups`; the
+Every kernel is a torch op, `torch.ops.megatron_tma.*`, defined in `megatron_tma.ops` (docs/ops.md). The plain-torch
+numerics oracle is `megatron_tma.reference`, the ops' CPU kernels; group bookkeeping is `megatron_tma.groups`; the
 kernels' group limits, applied on every backend, are `megatron_tma.limits`.
 """
 from . import ops as _ops  # noqa: F401  (defines torch.ops.megatron_tma.*: schemas, CPU and fake kernels)

@@ -15,9 +15,9 @@ offsets leaves its output rows past ``offsets[G]`` alone, and they are never un-
 `pad_rows_fp8` and `unpad_rows` are one op each (``torch.ops.megatron_tma.pad_rows_fp8`` / ``unpad_rows_bf16``,
 megatron_tma.ops): on a GPU one gather kernel each, no host read, CUDA-graph capturable; on the CPU the torch
 reference (`megatron_tma.reference`; `pad_rows_fp8_reference` and `unpad_rows_reference` run it on any device),
-which reads the group sizes on the host, rejects sizes that do not describe M rows, and writes the same bytes as the kernels. The kernels cannot
-check the sizes without a host read; they clamp them to the buffers (never an out-of-bounds access), and rows
-of `unpad_rows`' output that no group covers are written as zeros.
+which reads the group sizes on the host, rejects sizes that do not describe M rows, and writes the same bytes as the
+kernels. The kernels cannot check the sizes without a host read; they clamp them to the buffers (never an
+out-of-bounds access), and rows of `unpad_rows`' output that no group covers are written as zeros.
 """
 from typing import Callable, Optional, Tuple
 
