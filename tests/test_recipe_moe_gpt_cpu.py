@@ -742,6 +742,9 @@ def test_a_checksum_in_upper_case_hex_is_the_same_checksum(recipe, saved, tmp_pa
                                                      "ASCII digits"]),
     ("latest_checkpointed_iteration.txt", "\u00b3".encode(), ["latest_checkpointed_iteration.txt", "ASCII digits"]),
     ("latest_checkpointed_iteration.txt", None, ["latest_checkpointed_iteration.txt", "IsADirectoryError"]),
+    # a FIFO in their place blocked the read until someone wrote to it
+    ("iter_0000002/state.pt.sha256", "fifo", ["state.pt.sha256", "not a regular file", "64 hex digits"]),
+    ("latest_checkpointed_iteration.txt", "fifo", ["latest_checkpointed_iteration.txt", "not a regular file"]),
 ])
 def test_a_checkpoint_file_breaking_its_rule_stops_in_one_line(recipe, saved, tmp_path, capsys, where, content, words):
     """Issue 55 item 5: a checksum file or tracker with non-UTF-8 bytes, a tracker holding '³' (str.isdigit takes
@@ -752,6 +755,8 @@ def test_a_checkpoint_file_breaking_its_rule_stops_in_one_line(recipe, saved, tm
     target.unlink()
     if content is None:
         target.mkdir()
+    elif content == "fifo":
+        os.mkfifo(target)
     else:
         target.write_bytes(content)
     _resume_stops(recipe, [*SHORT, "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")], capsys,
@@ -825,6 +830,21 @@ def test_conflicting_jobs_are_refused_in_one_line(recipe, capsys, argv, jobs):
     assert e.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert jobs in last and "different jobs" in last, last
+
+
+@pytest.mark.parametrize("argv, ignored", [
+    (["--plot", "a.json", "--save", "ckpt", "--save-interval", "2"], "--save"),
+    (["--compare", "a.json", "--load", "ckpt"], "--load"),
+    (["--same-bits", "a.json", "b.json", "--load", "ckpt", "--kill-after-step", "3"], "--load, --kill-after-step"),
+])
+def test_training_options_on_a_job_that_trains_nothing_are_refused(recipe, capsys, argv, ignored):
+    """--save / --load / --kill-after-step beside --plot, --compare or --same-bits (which read results) were ignored
+    without a word: a resume asked for that never happens."""
+    with pytest.raises(SystemExit) as e:
+        recipe.options.parse_args(argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert argv[0] in last and "trains nothing" in last and ignored in last, last
 
 
 @pytest.mark.parametrize("argv, files, words", [

@@ -41,6 +41,7 @@ import random
 import re
 import secrets
 import shutil
+import stat
 import warnings
 from typing import Any, List, Optional, Tuple
 
@@ -74,13 +75,28 @@ def read_ascii(path: str, rule: str, limit: int = 4096) -> str:
     file and `rule` (what it must hold) if it is not a readable file or holds other bytes; FileNotFoundError if it is
     missing (the caller decides what a missing file means). At most `limit` bytes are read: these files hold a line."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        # O_NONBLOCK: a FIFO planted at the name would block a plain open until someone writes to it; opened this way
+        # it is found by the fstat below (the open and the check name the same file, whatever is swapped in between)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise
-    except OSError as e:  # a directory, a permission, a device error
+    except OSError as e:  # a permission, a device error
         raise CheckpointFileError(f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); it must be a "
                                   f"file holding {rule}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise CheckpointFileError(f"{path} cannot be read (IsADirectoryError: a directory); it must be a file "
+                                      f"holding {rule}")
+        raise CheckpointFileError(f"{path} is not a regular file (a FIFO, socket or device); it must be a file "
+                                  f"holding {rule}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:  # a device error
+            raise CheckpointFileError(f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); it must be a "
+                                      f"file holding {rule}") from None
     if len(data) > limit:
         raise CheckpointFileError(f"{path} holds more than {limit} bytes; it must hold {rule}")
     try:

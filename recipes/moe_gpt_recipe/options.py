@@ -204,6 +204,11 @@ def parse_args(argv=None):
                                      ("--same-bits", args.same_bits)) if asked]
     if len(jobs) > 1:  # each is a job of its own: one would run and the others be ignored (a --same-bits gate passing)
         p.error(f"{' and '.join(jobs)} are different jobs of the recipe: pass one of them")
+    if jobs and jobs[0] != "--cpu":  # --plot, --compare, --same-bits read results and train nothing
+        training_only = [flag for flag, asked in (("--save", args.save), ("--load", args.load),
+                                                  ("--kill-after-step", args.kill_after_step is not None)) if asked]
+        if training_only:
+            p.error(f"{jobs[0]} reads results and trains nothing: {', '.join(training_only)} would be ignored")
     if args.cpu:
         megatron_only = [flag for flag, asked in (
             ("--modes megatron", "megatron" in args.modes), ("--modes te", "te" in args.modes),
