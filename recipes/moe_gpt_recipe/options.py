@@ -33,9 +33,10 @@ DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
 # of the step it is not in the whole model.
 # --preset qwen3-30b: Qwen3-30B-A3B's layer: hidden 2048, 32 query heads over 4 key/value groups of head dim 128 with
 # QK layer norm, 128 experts of FFN 768, top-8, no shared expert, sequence 4096 (the model has 48 such layers).
-# --preset dsv3-rank: one expert-parallel rank of DeepSeek-V3 (EP = 8 in the real run: 32 of its 256 experts):
+# --preset dsv3-rank: one expert-parallel rank of DeepSeek-V3 at EP = 8 (32 of its 256 experts on the rank):
 # hidden 7168, 32 experts of FFN 2048, top-8 over them, one shared expert of FFN 2048, sequence 4096. Its attention
-# is grouped-query attention standing in for Multi-head Latent Attention (Megatron's MLA needs TE's layers): 128
+# is grouped-query attention standing in for Multi-head Latent Attention (the recipe builds a plain
+# TransformerConfig; MLA's MLATransformerConfig with its low-rank projections is not wired in yet): 128
 # query heads of dim 128 as DeepSeek-V3's, 8 key/value groups.
 PRESETS = {"dsv3-like": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8, expert_ffn=640,
                              shared_expert_ffn=640, seq_len=2048, micro_batch_size=2, micro_batches=2, vocab=4096,
