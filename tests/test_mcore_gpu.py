@@ -6,47 +6,22 @@ experts and Megatron's own SequentialMLP, whose function megatron_tma's experts 
 GPU + extension, or without megatron-core (the device session installs it from the carried wheel)."""
 import glob
 import importlib.util
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
+from _recipe_runs import APEX_FUSION, ROOT, apex_missing, killed_run, recipe
+
 from megatron_tma import _ext
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [
     pytest.mark.recipe_run,
     pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension"),
     pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"),
 ]
-
-
-SMALL = ["--layers", "2", "--hidden", "256", "--heads", "4", "--experts", "8", "--expert-ffn", "256",
-         "--seq-len", "128", "--micro-batch-size", "4", "--lr", "2e-3", "--log-every", "8"]
-
-
-def _run(cmd):
-    """subprocess.run, with its wall time printed (seen with pytest -s: recipe runs dominate this file's time)."""
-    t0 = time.perf_counter()
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    print(f"\n[{time.perf_counter() - t0:.1f} s] {' '.join(cmd[4:])[:200]}", flush=True)
-    return run
-
-
-def _recipe(tmp_path, *args, gpus=1):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-           os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path), *args]
-    run = _run(cmd)
-    assert run.returncode == 0, f"recipe failed (rc {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
-    (path,) = glob.glob(str(tmp_path / "moe_gpt-*.json"))
-    result = json.load(open(path))
-    assert result["failures"] == []
-    return path, result
 
 
 def _assert_same_bits(a, b, modes, context=""):
@@ -59,7 +34,7 @@ def _assert_same_bits(a, b, modes, context=""):
 
 def test_recipe_with_overlapped_gradient_reduction(tmp_path):
     """Megatron DDP's overlap_grad_reduce: its hooks require a gradient per weight (the experts hand a dummy)."""
-    _, result = _recipe(tmp_path, "--steps", "8", "--overlap-grad-reduce", "--modes", "unpadded", "padded16")
+    _, result = recipe(tmp_path, "--steps", "8", "--overlap-grad-reduce", "--modes", "unpadded", "padded16")
     row = result["summary"]["padded16"]
     assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
 
@@ -70,10 +45,10 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
     without autograd, then again in backward) and full recompute (every layer). Every training run (losses, grad
     norms, final parameters) is the same bits as without recompute."""
     args = ("--steps", "8", "--modes", "unpadded", "padded16")
-    plain, _ = _recipe(tmp_path / "plain", *args)
+    plain, _ = recipe(tmp_path / "plain", *args)
     for name, option in (("moe_act", ("--recompute-modules", "moe_act")), ("moe", ("--recompute-modules", "moe")),
                          ("full", ("--recompute-full",))):
-        path, result = _recipe(tmp_path / name, *args, *option)
+        path, result = recipe(tmp_path / name, *args, *option)
         assert result["summary"]["padded16"]["bitexact_params"], name
         _assert_same_bits(plain, path, 2, name)
 
@@ -83,8 +58,8 @@ def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
     every MoE layer of megatron_tma's modes): the same training bits as without it, in every mode, and the result
     names each layer it took; Megatron's own experts keep the host counts, with the reason recorded."""
     args = ("--steps", "8", "--modes", "unpadded", "bf16", "megatron")
-    plain, _ = _recipe(tmp_path / "plain", *args)
-    path, result = _recipe(tmp_path / "device", *args, "--device-token-counts")
+    plain, _ = recipe(tmp_path / "plain", *args)
+    path, result = recipe(tmp_path / "device", *args, "--device-token-counts")
     for mode in ("unpadded", "bf16"):
         layers = result["records"][mode]["device_token_counts"]
         assert len(layers) == 2 and all(reason is None for reason in layers.values()), (mode, layers)
@@ -99,8 +74,8 @@ def test_recipe_with_experts_permuting_their_tokens_trains_the_same_bits(tmp_pat
     un-permutation adds two BF16 rows exactly, the same training bits as Megatron's permutation in our FP8 modes, the
     twins still equal to each other; the BF16 experts are refused (their counts still stay on the GPU)."""
     args = ("--steps", "8", "--modes", "unpadded", "padded16", "bf16")
-    plain, _ = _recipe(tmp_path / "plain", *args)
-    path, result = _recipe(tmp_path / "permuted", *args, "--permute-in-experts")
+    plain, _ = recipe(tmp_path / "plain", *args)
+    path, result = recipe(tmp_path / "permuted", *args, "--permute-in-experts")
     for mode in ("unpadded", "padded16"):
         layers = result["records"][mode]["device_token_counts"]
         assert len(layers) == 2 and all(reason is None for reason in layers.values()), (mode, layers)
@@ -115,7 +90,7 @@ TE_FP8 = ("--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "-
 
 
 @pytest.mark.parametrize("optimizer", ["plain", "distributed", "distributed-fully-reshardable", "plain-te",
-                                       "distributed-te"])
+                                       "distributed-te", "plain-apex", "distributed-apex"])
 def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     """Issue 26 item 2: save during training, kill, resume: the resumed run trains the same bits as an uninterrupted
     one, for Megatron's mixed-precision optimizer and for its distributed optimizer in both its checkpoint formats
@@ -128,40 +103,28 @@ def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     # -te: with TE's layer spec and FP8 around the experts (issue 33); where TE is installed Megatron's optimizer
     # steps TE's FusedAdam (in every variant), whose step sits in the param groups: the torch-Adam guards of
     # megatron_tma.mcore.checkpoint stay off
+    # -apex: in an Apex environment (test_apex_gpu.py), with --gradient-accumulation-fusion: Apex's FusedAdam (where
+    # TE is absent), its step in the param groups, and the dense layers' fused main_grad accumulation
     if optimizer.endswith("-te") and not HAVE_TE:
         pytest.skip("Transformer Engine is not installed")
+    if optimizer.endswith("-apex") and apex_missing():
+        pytest.skip(f"Apex's extensions do not import ({apex_missing()})")
     opts = {"plain": (), "distributed": ("--distributed-optimizer",),
             "distributed-fully-reshardable": ("--distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"),
-            "plain-te": TE_FP8, "distributed-te": ("--distributed-optimizer", *TE_FP8)}
+            "plain-te": TE_FP8, "distributed-te": ("--distributed-optimizer", *TE_FP8),
+            "plain-apex": APEX_FUSION, "distributed-apex": ("--distributed-optimizer", *APEX_FUSION)}
     common = ("--steps", "10", "--modes", "unpadded", "padded16", *opts[optimizer])
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path / "killed"), *common,
-           "--save", str(ckpt), "--save-interval", "3", "--kill-after-step", "7"]
-    # Output to files, not pipes, in a session of its own: Megatron's checkpoint writer starts a multiprocessing
-    # Manager (a spawned server process), which outlives a killed rank and would hold a pipe open forever; the
-    # session's leftovers are killed once torchrun has returned.
-    t0 = time.perf_counter()
-    with open(tmp_path / "killed.out", "w+") as out, open(tmp_path / "killed.err", "w+") as err:
-        killed = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True)
-        try:
-            rc = killed.wait(timeout=600)
-        finally:
-            try:
-                os.killpg(killed.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    print(f"\n[{time.perf_counter() - t0:.1f} s] killed run, rc {rc}", flush=True)
+    rc, stdout, stderr = killed_run(tmp_path, *common, "--save", str(ckpt), "--save-interval", "3", kill_after_step=7)
     assert rc != 0 and "killed after step 6" in stdout, stdout[-3000:] + stderr[-3000:]
     assert not glob.glob(str(tmp_path / "killed" / "moe_gpt-*.json"))  # it died before writing a result
     assert (ckpt / "unpadded" / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert not (ckpt / "padded16").exists()
-    _, result = _recipe(tmp_path / "resumed", *common, "--load", str(ckpt))
+    _, result = recipe(tmp_path / "resumed", *common, "--load", str(ckpt))
     assert result["records"]["unpadded"]["resumed_from_step"] == 6
     assert result["records"]["padded16"]["resumed_from_step"] == 0
+    if optimizer.endswith("-apex") and not HAVE_TE:  # megatron-core prefers TE's FusedAdam where TE imports
+        assert result["records"]["unpadded"]["optimizer_class"] == "apex.optimizers.fused_adam.FusedAdam", result
     row = result["summary"]["padded16"]
     assert row["same_initial_weights"]  # the initial weights' digests come back with the checkpoint's records
     assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
@@ -183,7 +146,7 @@ def test_recipe_with_expert_tensor_parallelism(tmp_path):
     """Every expert split over 2 GPUs (ETP = 2; Megatron's dispatcher gathers the tokens and adds up the partial
     outputs): unpadded == padded16 bit for bit, the same initial weights as Megatron's own experts at ETP = 2, and
     megatron_tma's experts compute their function (the first layer's shards on the same routed tokens)."""
-    _, result = _recipe(tmp_path, "--steps", "8", "--etp", "2", "--modes", "unpadded", "padded16", "megatron", gpus=2)
+    _, result = recipe(tmp_path, "--steps", "8", "--etp", "2", "--modes", "unpadded", "padded16", "megatron", gpus=2)
     _check_parallel_run(result["summary"])
 
 
@@ -193,7 +156,7 @@ def test_recipe_with_pipeline_parallelism(tmp_path):
     before its first backward, and the experts see forwards with DDP's flag still False): unpadded == padded16 bit
     for bit, the same initial weights in every mode, megatron_tma's experts compute Megatron's experts' function on
     each stage, and the evaluation after the last step runs on the stepped weights."""
-    _, result = _recipe(tmp_path, "--steps", "8", "--pp", "2", "--micro-batches", "4", "--modes", "unpadded",
+    _, result = recipe(tmp_path, "--steps", "8", "--pp", "2", "--micro-batches", "4", "--modes", "unpadded",
                         "padded16", "megatron", gpus=2)
     _check_parallel_run(result["summary"])
 
@@ -205,7 +168,7 @@ def test_recipe_with_interleaved_pipeline(tmp_path):
     other chunk's. Unpadded == padded16 bit for bit, the same initial weights in every mode (Megatron's experts
     redrawn chunk by chunk), megatron_tma's experts compute Megatron's experts' function, and the evaluation after
     the last step runs on the stepped weights."""
-    _, result = _recipe(tmp_path, "--steps", "8", "--layers", "4", "--pp", "2", "--vpp", "2", "--micro-batches", "4",
+    _, result = recipe(tmp_path, "--steps", "8", "--layers", "4", "--pp", "2", "--vpp", "2", "--micro-batches", "4",
                         "--modes", "unpadded", "padded16", "megatron", gpus=2)
     _check_parallel_run(result["summary"])
 
@@ -221,8 +184,8 @@ def test_recipe_with_distributed_optimizer_and_overlapped_param_gather(tmp_path)
     half as it was before the step, and the two runs would part after the first step."""
     common = ("--steps", "8", "--ep", "1", "--modes", "unpadded", "padded16", "--distributed-optimizer",
               "--overlap-grad-reduce", "--ddp-bucket-size", "100000")
-    synced, result = _recipe(tmp_path / "synced", *common, gpus=2)
-    overlapped, result_overlapped = _recipe(tmp_path / "overlapped", *common, "--overlap-param-gather", gpus=2)
+    synced, result = recipe(tmp_path / "synced", *common, gpus=2)
+    overlapped, result_overlapped = recipe(tmp_path / "overlapped", *common, "--overlap-param-gather", gpus=2)
     for r in (result, result_overlapped):
         row = r["summary"]["padded16"]
         assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
@@ -234,7 +197,7 @@ def test_recipe_frees_each_modes_model_before_the_next(tmp_path):
     """A finished mode's model (DDP wrapper and buffers, GPTModel, FP8 weight copies, optimizer states: over 100 MB
     here) is freed before the next mode is built. The first mode leaves library workspaces (cuBLAS's, ...) and
     Megatron's global buffer for the local attention's scores behind; after it, nothing more stays allocated."""
-    _, result = _recipe(tmp_path, "--steps", "2", "--expert-ffn", "1024", "--modes", "unpadded", "padded16", "bf16")
+    _, result = recipe(tmp_path, "--steps", "2", "--expert-ffn", "1024", "--modes", "unpadded", "padded16", "bf16")
     summary = result["summary"]
     assert all(row["peak_mb"] > 100 for row in summary.values()), summary  # what a kept model would leave
     for mode in ("padded16", "bf16"):
@@ -243,7 +206,7 @@ def test_recipe_frees_each_modes_model_before_the_next(tmp_path):
 
 def test_recipe_unpadded_trains_bit_exactly_like_padded(tmp_path):
     steps = 24
-    path, result = _recipe(tmp_path, "--steps", str(steps))
+    path, result = recipe(tmp_path, "--steps", str(steps))
     summary = result["summary"]
     assert set(summary) == {"unpadded", "padded16", "padded128", "bf16", "megatron"}
     assert all(row["same_initial_weights"] for row in summary.values())

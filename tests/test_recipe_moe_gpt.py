@@ -195,6 +195,42 @@ def test_megatron_is_imported_for_the_gpu_job_only(recipe):
     assert "GPTModel" in read and [name for name in sorted(read) if not hasattr(mc, name)] == []
 
 
+@needs_megatron
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_local_spec_chunks_end_in_their_layers_norm(recipe, megatron_cpu, monkeypatch, normalization):
+    """Handed a layer spec, Megatron's TransformerBlock builds its final norm from its module's LayerNormImpl: Apex's
+    FusedLayerNorm wherever Apex imports, which refuses RMSNorm (Megatron-LM issue #1658), so the recipe's RMSNorm
+    model could not be built beside Apex. The recipe hands each local-spec chunk its layers' own norm as the final
+    one; checked with LayerNormImpl replaced by a stand-in that refuses to be built, as FusedLayerNorm does."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import transformer_block
+
+    class RefusedNorm(torch.nn.Module):
+        def __init__(self, config, *args, **kwargs):
+            raise AssertionError(f"({config.normalization}) is not supported in this stand-in for FusedLayerNorm")
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", RefusedNorm)
+    mc = recipe.megatron_core
+    assert mc.import_megatron() is None
+    args = recipe.options.parse_args(["--layers", "2", "--hidden", "128", "--heads", "4", "--experts", "4",
+                                      "--expert-ffn", "128", "--qk-layernorm", "--normalization", normalization])
+    config = mc.TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_moe_experts=4,
+                                  moe_ffn_hidden_size=128, gated_linear_unit=True, activation_func=F.silu,
+                                  add_bias_linear=False, normalization=normalization, qk_layernorm=True,
+                                  moe_token_dispatcher_type="allgather", use_cpu_initialization=True,
+                                  perform_initialization=False, bf16=True, params_dtype=torch.bfloat16)
+    layer_spec = recipe.model.base_layer_spec(args)
+    build = lambda spec: mc.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64,  # noqa: E731
+                                     max_sequence_length=32)
+    with pytest.raises(AssertionError, match="stand-in"):
+        build(layer_spec)  # what the recipe built before: TransformerBlock's own pick of the final norm
+    gpt = build(recipe.model.chunk_spec(args, config, layer_spec, None))
+    norms = {type(gpt.decoder.final_layernorm), type(gpt.decoder.layers[1].input_layernorm)}
+    expected = torch.nn.RMSNorm if normalization == "RMSNorm" else torch.nn.LayerNorm  # torch's, no Apex here
+    assert norms == {expected} and len(gpt.decoder.layers) == 2
+    assert recipe.model.norm_classes([gpt]) == sorted({f"torch.nn.modules.normalization.{expected.__name__}"})
+
+
 def test_checkpoint_options_are_megatron_lms(recipe):
     """--save / --save-interval / --load / --dist-ckpt-optim-fully-reshardable as Megatron-LM names them, refused
     where they would do nothing."""

@@ -137,7 +137,8 @@ def test_cpu_job_resumes_bit_exact_after_a_kill(tmp_path):
 
 def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
-                   ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"]):
+                   ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"],
+                   ["--gradient-accumulation-fusion"], ["--normalization", "LayerNorm"]):
         with pytest.raises(SystemExit) as e:
             recipe.options.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
@@ -580,6 +581,28 @@ def test_moe_permute_fusion_is_megatron_lms_option(recipe):
     recipe.checkpoints.check_resume(parse([]), {"train_args": old}, "ckpt")  # saved before the option: no SystemExit
     with pytest.raises(SystemExit, match="--moe-permute-fusion False there, True here"):
         recipe.checkpoints.check_resume(args, {"train_args": old}, "ckpt")
+
+
+def test_apex_options_are_megatron_lms(recipe, gpu_job, monkeypatch, tmp_path):
+    """--gradient-accumulation-fusion and --normalization set Megatron's config fields; both are training settings
+    (checkpoints saved before them trained without fusion, with RMSNorm). The fusion without Apex's extension stops
+    the GPU job in one line, before any distributed set-up, in either spec (Megatron's output layer uses it)."""
+    parse, model_settings = recipe.options.parse_args, recipe.model.model_settings
+    assert model_settings(parse(["--gradient-accumulation-fusion"]))["gradient_accumulation_fusion"] is True
+    assert "gradient_accumulation_fusion" not in model_settings(parse([]))
+    assert parse([]).normalization == "RMSNorm" and parse(["--normalization", "LayerNorm"]).normalization == "LayerNorm"
+    old = {k: v for k, v in recipe.checkpoints.training_args(parse([])).items()
+           if k not in ("gradient_accumulation_fusion", "normalization")}
+    recipe.checkpoints.check_resume(parse([]), {"train_args": old}, "ckpt")  # saved before the options
+    with pytest.raises(SystemExit, match="--normalization 'RMSNorm' there, 'LayerNorm' here"):
+        recipe.checkpoints.check_resume(parse(["--normalization", "LayerNorm"]), {"train_args": old}, "ckpt")
+    monkeypatch.setattr(gpu_job.megatron_core, "extension_import_error",
+                        lambda name: f"ModuleNotFoundError: No module named '{name}'")
+    for spec in ([], TE_FP8):
+        if spec:
+            monkeypatch.setattr(gpu_job.megatron_core, "te_import_error", lambda: None)
+        _one_line(gpu_job, ["--out", str(tmp_path), "--gradient-accumulation-fusion", *spec],
+                  "--gradient-accumulation-fusion needs Apex's fused_weight_gradient_mlp_cuda")
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here")

@@ -36,7 +36,7 @@ def check_dir(option, directory, what):
 def preflight(args):
     """Stop with one line, before any distributed set-up, when a piece the run needs is missing: matplotlib (--plot,
     --cpu), one process (--cpu); for the GPU job a visible GPU, Python >= 3.12, Transformer Engine (--transformer-impl
-    transformer_engine) and megatron-core, megatron_tma's CUDA kernels on this rank's GPU, torchrun."""
+    transformer_engine), Apex's wgrad extension (--gradient-accumulation-fusion) and megatron-core, megatron_tma's CUDA kernels on this rank's GPU, torchrun."""
     if args.plot or args.cpu:
         try:
             import matplotlib  # noqa: F401
@@ -75,6 +75,13 @@ def preflight(args):
             fail(f"{' and '.join(o for o, _ in needs_te)} need{'s' if len(needs_te) == 1 else ''} Transformer "
                  f"Engine, which cannot be imported ({type(error).__name__}: {why}): pip install -e '.[te]' on the "
                  f"GPU machine (or scripts/te_device_steps.md), or run {' and '.join(i for _, i in needs_te)}")
+    if args.gradient_accumulation_fusion:
+        # Megatron's output layer is its own ColumnParallelLinear in either spec, which then needs Apex's extension
+        error = mc.extension_import_error("fused_weight_gradient_mlp_cuda")
+        if error is not None:
+            fail("--gradient-accumulation-fusion needs Apex's fused_weight_gradient_mlp_cuda (Megatron's output "
+                 f"layer adds its weight gradient with it in either spec), which cannot be imported ({error}): build "
+                 "Apex with its CUDA extensions (--cpp_ext --cuda_ext), or leave the option out")
     if args.transformer_impl == "transformer_engine":
         if not args.nondeterministic:  # before TE is imported: its attention reads it (config.deterministic_mode)
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")

@@ -36,6 +36,8 @@ def model_settings(args):
         settings.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.moe_permute_fusion:
         settings["moe_permute_fusion"] = True
+    if args.gradient_accumulation_fusion:
+        settings["gradient_accumulation_fusion"] = True
     if args.transformer_impl == "transformer_engine" and not args.nondeterministic:
         # TE's attention picks deterministic kernels only so (Megatron-LM's --deterministic-mode; preflight sets
         # NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, which that mode requires)
@@ -49,7 +51,20 @@ def base_layer_spec(args):
         return mc.gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=args.experts,
                                                                           moe_grouped_gemm=True,
                                                                           qk_layernorm=args.qk_layernorm)
-    return mc.get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True, qk_layernorm=args.qk_layernorm)
+    return mc.get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=True, qk_layernorm=args.qk_layernorm,
+                                       normalization=args.normalization)
+
+
+def chunk_spec(args, config, layer_spec, vp_stage):
+    """What GPTModel builds a model chunk from. TE's spec: the layer spec (TransformerBlock's final norm is TENorm,
+    which takes either norm). The local spec: the chunk's layers with the layers' own norm as the final norm, as
+    Megatron's block spec builder means to: handed a layer spec, TransformerBlock picks Apex's FusedLayerNorm wherever
+    Apex imports, which refuses RMSNorm (Megatron-LM issue #1658; its decoder block spec does the same)."""
+    if args.transformer_impl == "transformer_engine":
+        return layer_spec
+    return mc.TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * mc.get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=layer_spec.submodules.input_layernorm)
 
 
 def recompute_settings(args):
@@ -72,7 +87,7 @@ def build(args, mode):
         moe_ffn_hidden_size=args.expert_ffn, moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, expert_model_parallel_size=args.ep,
         expert_tensor_parallel_size=args.etp,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization=args.normalization,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
@@ -86,7 +101,8 @@ def build(args, mode):
     for vp in range(args.vpp) if args.vpp else [None]:
         first = mc.parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
         last = mc.parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        gpts.append(mc.GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab,
+        gpts.append(mc.GPTModel(config=config, transformer_layer_spec=chunk_spec(args, config, spec, vp),
+                                vocab_size=args.vocab,
                                 max_sequence_length=args.seq_len, position_embedding_type="rope",
                                 pre_process=first, post_process=last, vp_stage=vp).cuda())
     if mode in MEGATRONS_OWN:
@@ -196,3 +212,10 @@ def optimizer_class(optimizer):
     inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
     inner = getattr(inner, "optimizer", inner)
     return f"{type(inner).__module__}.{type(inner).__qualname__}"
+
+
+def norm_classes(models):
+    """`module.Class` of every normalization module in the model chunks (Apex's FusedLayerNorm in the local spec where
+    Apex imports, torch's norm otherwise, TE's in TE's spec): which kernels the run's layer norms were."""
+    return sorted({f"{type(m).__module__}.{type(m).__qualname__}" for model in models for m in model.modules()
+                   if "norm" in type(m).__name__.lower()})

@@ -47,6 +47,7 @@ PRESETS = {"dsv3-like": dict(layers=4, hidden=2048, heads=16, experts=64, topk=8
            "dsv3-rank": dict(layers=2, hidden=7168, heads=128, num_query_groups=8, kv_channels=128,
                              experts=32, topk=8, expert_ffn=2048, shared_expert_ffn=2048, seq_len=4096,
                              micro_batch_size=1, micro_batches=4, vocab=4096, lr=3e-4)}
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")  # Megatron-LM's --normalization choices the recipe's model builds
 RECOMPUTE_MODULES = ("moe_act", "moe", "core_attn", "layernorm", "mlp")
 # The CPU job (--cpu, recipes/moe_gpt_cpu.py): megatron_tma's modes on the reference backend, without Megatron, and
 # its default size (a few minutes on 2 cores; every size option overrides it as in the GPU job)
@@ -103,6 +104,10 @@ def parse_args(argv=None):
                         "query heads sharing this many key/value heads (default: one per query head)")
     p.add_argument("--kv-channels", type=int, default=None, metavar="DIM",
                    help="Megatron-LM's option: the attention head dimension (default --hidden / --heads)")
+    p.add_argument("--normalization", choices=NORMALIZATIONS, default="RMSNorm",
+                   help="Megatron-LM's option: the layers' norm (default RMSNorm, as Qwen3 and DeepSeek-V3). In the "
+                        "local spec with Apex installed, LayerNorm is Apex's FusedLayerNorm; RMSNorm stays torch's "
+                        "norm there (megatron-core's FusedLayerNorm takes LayerNorm only: Megatron-LM issue #1658)")
     p.add_argument("--qk-layernorm", action="store_true",
                    help="Megatron-LM's option: a layer norm on each query and key head (Qwen3's attention)")
     p.add_argument("--experts", type=int, default=16)
@@ -144,6 +149,12 @@ def parse_args(argv=None):
                    help="Megatron-LM's option (config.moe_permute_fusion): Transformer Engine's fused kernels for the "
                         "dispatcher's token permutation, un-permutation and chunk sort, in every mode (a Megatron-LM "
                         "run with TE usually sets it); needs Transformer Engine installed")
+    p.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="Megatron-LM's option (config.gradient_accumulation_fusion): the dense layers' weight "
+                        "gradients added straight into Megatron's FP32 main_grad by the wgrad GEMM (Apex's "
+                        "fused_weight_gradient_mlp_cuda in the local spec and the output layer, TE's "
+                        "fuse_wgrad_accumulation in TE's modules). megatron_tma's experts always accumulate into "
+                        "main_grad; needs Apex built with its CUDA extensions")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
@@ -224,7 +235,9 @@ def parse_args(argv=None):
             ("--profile-step", args.profile_step is not None),
             ("--device-token-counts", args.device_token_counts),
             ("--permute-in-experts", args.permute_in_experts),
-            ("--moe-permute-fusion", args.moe_permute_fusion)) if asked]
+            ("--moe-permute-fusion", args.moe_permute_fusion),
+            ("--gradient-accumulation-fusion", args.gradient_accumulation_fusion),
+            ("--normalization LayerNorm", args.normalization != "RMSNorm")) if asked]
         if megatron_only:
             p.error(f"--cpu trains without Megatron, in one process; the GPU job's options: {', '.join(megatron_only)}")
     bad = bad_sizes(args)

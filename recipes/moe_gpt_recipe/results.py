@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from . import megatron_core as mc
 from .options import fail
 from .plots import plot
 
@@ -171,7 +172,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
     result = {
         "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
         "gpu": "none (CPU job)" if args.cpu else torch.cuda.get_device_name(), "date": stamp.isoformat(),
-        "world_size": world,
+        "world_size": world, "environment": None if args.cpu else mc.environment(),
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare", "same_bits")},
         "loss_floor": loss_floor, "summary": report, "head_to_head": head_to_head(runs, report),
@@ -183,7 +184,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
                                                  "peak_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted", "resumed_from_step",
-                                                 "experts_share", "optimizer_class", "device_token_counts",
+                                                 "experts_share", "optimizer_class", "norm_classes",
+                                                 "device_token_counts",
                                                  "gpu_busy")}
                     for m, run in runs.items()},
     }

@@ -16,7 +16,7 @@ from megatron_tma.mcore import (
 from . import megatron_core as mc
 from .checkpoints import check_save_target, optim_format, resume, training_args
 from .data import data_iterators
-from .model import build, canonical_weights, experts_against_megatron, named_parameters, optimizer_class
+from .model import build, canonical_weights, experts_against_megatron, named_parameters, norm_classes, optimizer_class
 from .options import MEGATRONS_OWN
 from .timing import ExpertsTimer, device_busy_ms
 
@@ -134,6 +134,7 @@ def train(args, mode, rank, batches):
             "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": not args.nondeterministic,
             # the torch optimizer Megatron's optimizer steps: TE's FusedAdam where TE is installed, else Apex's or torch's
             "optimizer_class": optimizer_class(optimizer),
+            "norm_classes": norm_classes(models),  # Apex's FusedLayerNorm in the local spec where Apex imports
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
             "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted,
             "device_token_counts": counts_on_device}
