@@ -89,6 +89,12 @@ def check_int(value, name: str, minimum: Optional[int] = None) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def check_bool(value, name: str) -> None:
+    """TypeError unless `value` is a bool (a truthy tensor or string would silently pick a code path)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def not_twice_differentiable(what: str):
     """Decorator for an autograd Function's backward that has no double backward (FP8 GEMMs on quantized copies, CUDA
     kernels): refuse a backward under `create_graph=True` (the engine runs backward with grad mode on exactly then)

@@ -21,7 +21,9 @@ from . import quant
 from ._validate import check_same_device, not_twice_differentiable
 from .activation import (GATED, act_times_probs_backward, act_times_probs_forward, check_activation_args,
                          resolve_kernel)
-from .autograd import FP8WeightCache, Weights, check_linear_args, linear_backward, linear_forward, quantized_weights
+from ._validate import check_bool
+from .autograd import (FP8WeightCache, Weights, check_linear_args, dgrad_operands, dgrad_weights, linear_backward,
+                       linear_forward, quantized_weights)
 from .groups import Groups
 
 __all__ = ["fp8_activation_grouped_linear"]
@@ -44,13 +46,14 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
         y = linear_forward(_z(h, probs, activation, use_kernel), groups, q, s, backend, pow2)
         ctx.activation, ctx.use_kernel, ctx.backend, ctx.pow2 = activation, use_kernel, backend, pow2
         ctx.groups_meta, ctx.need_dw = groups[1:], any(ctx.needs_input_grad[_WEIGHTS:])
-        ctx.save_for_backward(h, probs, groups.tensor, qt if need_dz else None, st if need_dz else None, *weights)
+        ctx.save_for_backward(h, probs, groups.tensor, *dgrad_operands(ctx, q, s, qt, st, need_dz), *weights)
         return y
 
     @staticmethod
     @not_twice_differentiable("fp8_activation_grouped_linear")
     def backward(ctx, dy):
         h, probs, groups, qt, st, *weights = ctx.saved_tensors
+        qt, st = dgrad_weights(ctx, qt, st)
         groups = Groups(groups, *ctx.groups_meta)
         need_dh, need_dprobs = ctx.needs_input_grad[_H], ctx.needs_input_grad[_PROBS]
         zt = zt_s = None
@@ -77,11 +80,13 @@ def fp8_activation_grouped_linear(
     cache: Optional[FP8WeightCache] = None,
     backend: str = "auto",
     pow2_scales: bool = False,
+    keep_transposed_weight: bool = True,
 ) -> torch.Tensor:
     """`fp8_grouped_linear(activation_times_probs(h, probs, activation), weight, groups)` with the activation
     recomputed in backward instead of its FP8 columns kept (module docstring). The arguments are those of the two
     functions; h: bf16 `[T, 2F]` (SwiGLU, gate half first) or `[T, F]`, weight `[G, N, F]` (or G `[N, F]`).
-    Returns bf16 `[T, N]`, with gradients for h, the probs and the weights."""
+    Returns bf16 `[T, N]`, with gradients for h, the probs and the weights. keep_transposed_weight: as
+    `fp8_grouped_linear`'s."""
     check_activation_args(h, probs, activation)
     f = h.shape[1] // 2 if activation in GATED else h.shape[1]
     weights, groups = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)",
@@ -89,7 +94,8 @@ def fp8_activation_grouped_linear(
     if probs is not None:
         check_same_device(h=h, probs=probs)
     use_kernel = resolve_kernel(h, activation, backend)
-    wq = quantized_weights(weights, cache, pow2_scales, backend)
+    check_bool(keep_transposed_weight, "keep_transposed_weight")
+    wq = quantized_weights(weights, cache, pow2_scales, backend, keep_transposed_weight)
     wants_grad = h.requires_grad or (probs is not None and probs.requires_grad) or any(w.requires_grad
                                                                                         for w in weights)
     if not torch.is_grad_enabled() or not wants_grad:  # inference: nothing to save

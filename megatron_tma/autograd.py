@@ -37,7 +37,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _collective_writes, gemm, quant
 from . import permutation as _permutation
-from ._validate import check_aligned16, check_same_device, check_tensor, misalignment16, not_twice_differentiable
+from ._validate import (check_aligned16, check_bool, check_same_device, check_tensor, misalignment16,
+                        not_twice_differentiable)
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
 
@@ -66,8 +67,16 @@ class QuantizedWeights(NamedTuple):
 
     q: torch.Tensor  # e4m3 [G, N, K]: forward
     s: torch.Tensor  # FP32 [G, N/128, K/128]
-    qt: torch.Tensor  # e4m3 [G, K, N]: the same bytes transposed, for dgrad
-    st: torch.Tensor  # FP32 [G, K/128, N/128]
+    qt: Optional[torch.Tensor]  # e4m3 [G, K, N]: the same bytes transposed, for dgrad (None: not kept)
+    st: Optional[torch.Tensor]  # FP32 [G, K/128, N/128]
+
+
+def transposed_weights(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(qt, st) from (q, s): with one scale per 128x128 block, W^T's FP8 copy is W's bytes transposed and its scales
+    W's transposed (quantize_128x128 writes both from one read), so dgrad's operand can be made from the forward's
+    copy, bit for bit, when it is not kept (`keep_transposed_weight=False`: a 1-byte transpose in backward instead of
+    W^T held from the forward to its layer's backward)."""
+    return q.transpose(-1, -2).contiguous(), s.transpose(-1, -2).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -176,14 +185,34 @@ def _quantize_stacked(stacked: torch.Tensor, pow2: bool, backend: str) -> Quanti
     return QuantizedWeights(q, s, qt, st)
 
 
+def _kept(value: QuantizedWeights, keep_transposed: bool) -> QuantizedWeights:
+    return value if keep_transposed else value._replace(qt=None, st=None)
+
+
 def quantized_weights(weights: Tuple[torch.Tensor, ...], cache: Optional["FP8WeightCache"], pow2: bool,
-                      backend: str) -> QuantizedWeights:
+                      backend: str, keep_transposed: bool = True) -> QuantizedWeights:
     """The weights' FP8 copies: from the layer's cache, or made now when there is none. Code that torch.compile traces
     quantizes them every call: the cache's bookkeeping (data pointers, version counters) is host state a graph cannot
-    hold, and the copies are the same bits either way."""
+    hold, and the copies are the same bits either way. `keep_transposed=False`: qt and st are None (not held)."""
     if cache is None or torch.compiler.is_compiling():
-        return quantize_weights(weights, pow2, backend)
-    return cache.get(weights, pow2, backend)
+        return _kept(quantize_weights(weights, pow2, backend), keep_transposed)
+    return cache.get(weights, pow2, backend, keep_transposed)
+
+
+def dgrad_operands(ctx, q, s, qt, st, need_dx):
+    """What a Function saves for dgrad: (qt, st), or (q, s) when W^T is not kept (backward transposes them, noted on
+    ctx), or (None, None) when no input gradient is wanted. Saving q costs nothing: the cache holds it already."""
+    ctx.transpose_in_backward = need_dx and qt is None
+    if not need_dx:
+        return None, None
+    return (q, s) if qt is None else (qt, st)
+
+
+def dgrad_weights(ctx, saved_q, saved_s):
+    """dgrad's (qt, st) from what `dgrad_operands` saved."""
+    if ctx.transpose_in_backward:
+        return transposed_weights(saved_q, saved_s)
+    return saved_q, saved_s
 
 
 # Optimizer steps. Version counters do not see every weight update: torch's fused optimizers (`Adam`, `AdamW`, `SGD`,
@@ -276,19 +305,21 @@ class FP8WeightCache:
         self._entry = None
 
     @torch.compiler.disable  # host-side bookkeeping (pointers, versions): a graph break, not something to trace
-    def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto") -> QuantizedWeights:
+    def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto",
+            keep_transposed: bool = True) -> QuantizedWeights:
         """The FP8 copies of `weights` (a `[G, N, K]` tensor in a 1-tuple, or G `[N, K]` tensors), quantized now
         if any weight changed. The weights are checked when they are quantized; a hit proves them unchanged, so
-        the per-call host cost is one pointer and one version read per weight."""
+        the per-call host cost is one pointer and one version read per weight. `keep_transposed=False`: the entry
+        holds W's copy only (qt and st None; `transposed_weights` makes them when dgrad needs them)."""
         first = weights[0]
         if first.is_inference():  # weights made under inference_mode have no version counter: never cached
-            return quantize_weights(tuple(weights), pow2, backend)
-        key = (pow2, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
+            return _kept(quantize_weights(tuple(weights), pow2, backend), keep_transposed)
+        key = (pow2, keep_transposed, first.shape, first.dtype, first.device, tuple(w.data_ptr() for w in weights),
                tuple(w._version for w in weights), _optimizer_step_stamp)
         entry = self._entry  # the one read of the shared state: another thread may replace it from here on
         # (the aliases at the key's pointers: the entry holds that memory, so no other tensor can lie there)
         if (entry is not None and entry.key == key and not entry.watch.written
-                and all(a.data_ptr() == p for a, p in zip(entry.aliases, key[4]))):
+                and all(a.data_ptr() == p for a, p in zip(entry.aliases, key[5]))):
             return entry.value
         del entry
         self._entry = None  # free the stale copies before making new ones: one copy at a time at the peak
@@ -301,7 +332,7 @@ class FP8WeightCache:
             # Watched before they are read: a collective that writes them from here on (another thread) marks
             # the entry written (module docstring of _collective_writes).
             watch = _collective_writes.watch(aliases)
-            value = _quantize_stacked(stacked, pow2, backend)
+            value = _kept(_quantize_stacked(stacked, pow2, backend), keep_transposed)
         self._entry = _CacheEntry(key, aliases, value, watch)
         return value
 
@@ -362,7 +393,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
         if out_token_rows is not None:
             y = _permutation.run_combine_rows(y, out_token_rows, backend)
         ctx.backend, ctx.pow2, ctx.groups_meta = backend, pow2, groups[1:]
-        ctx.save_for_backward(groups.tensor, xt, xt_s, qt if need_dx else None, st if need_dx else None,
+        ctx.save_for_backward(groups.tensor, xt, xt_s, *dgrad_operands(ctx, q, s, qt, st, need_dx),
                               token_rows if need_dx else None, out_rows, *weights)
         return y
 
@@ -370,6 +401,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
     @not_twice_differentiable("fp8_grouped_linear")
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, token_rows, out_rows, *weights = ctx.saved_tensors
+        qt, st = dgrad_weights(ctx, qt, st)
         dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
                                      ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2,
                                      dy_rows=out_rows)
@@ -493,6 +525,7 @@ def fp8_grouped_linear(
     pow2_scales: bool = False,
     permutation: Optional[_permutation.Permutation] = None,
     combine: Optional[_permutation.Permutation] = None,
+    keep_transposed_weight: bool = True,
 ) -> torch.Tensor:
     """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (docs/design.md §3), with gradients for x and the weights.
 
@@ -508,6 +541,8 @@ def fp8_grouped_linear(
     their gradients combined per token (`megatron_tma.permutation.combine_rows`' sum).
     combine: a `Permutation` of the M rows; the output is then the tokens `[T, N]`, each the `combine_rows` sum of its
     rows, and backward gathers the tokens' gradient rows inside dY's quantizer (never a BF16 copy of them).
+    keep_transposed_weight: True keeps dgrad's W^T copy from the forward (in the cache, with W's); False keeps W's
+    only and makes W^T in backward by transposing it (the same bits; memory for a 1-byte transpose per backward).
     """
     if permutation is None:
         weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
@@ -524,7 +559,8 @@ def fp8_grouped_linear(
     if combine is not None:
         m = x.shape[0] if rows is None else rows.shape[0]
         out_rows, out_token_rows = _permutation.check_permutation(combine, m, None, "combine", device=x.device)
-    wq = quantized_weights(weights, cache, pow2_scales, backend)
+    check_bool(keep_transposed_weight, "keep_transposed_weight")
+    wq = quantized_weights(weights, cache, pow2_scales, backend, keep_transposed_weight)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
         # inference: nothing to save
         y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2_scales)

@@ -32,6 +32,10 @@ checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Bo
 `act(h) * probs` for backward and recomputes them there: F bytes less per routed token, the same bits
 (megatron_tma.activation_linear).
 
+`keep_transposed_weight=False` keeps only W's FP8 copy between a layer's forward and its backward, which then makes
+W^T's copy by transposing it (the same bytes and scales: bit for bit what the quantizer writes): one layer's W^T
+alive at a time instead of every layer's across the step, for a 1-byte-per-weight transpose in each backward.
+
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
@@ -57,7 +61,7 @@ import torch
 from torch import nn
 
 from . import _ext, ops
-from ._validate import check_int, check_same_device, check_tensor
+from ._validate import check_bool, check_int, check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
 from .autograd import FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
@@ -248,7 +252,8 @@ class GroupedFP8Linear(_GroupedWeights):
     """`y[rows of g] = x[rows of g] . weight{g}^T` with the FP8 Function of megatron_tma.autograd."""
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
-                 weight_layout: str = "stacked", device=None, init_method=None):
+                 weight_layout: str = "stacked", device=None, init_method=None,
+                 keep_transposed_weight: bool = True):
         # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
         # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
         check_num_experts(num_groups, "num_groups")
@@ -263,7 +268,11 @@ class GroupedFP8Linear(_GroupedWeights):
         super().__init__(num_groups, in_features, out_features, weight_layout=weight_layout, device=device,
                          init_method=init_method)
         _ext.check_backend(backend)
+        check_bool(keep_transposed_weight, "keep_transposed_weight")
         self.backend, self.pow2_scales = backend, pow2_scales
+        # False: the cache holds W's FP8 copy only, and backward makes W^T's from it (the same bits): one layer's
+        # W^T at a time instead of every layer's from the forward to the backward (fp8_grouped_linear)
+        self.keep_transposed_weight = keep_transposed_weight
         self.weight_cache = FP8WeightCache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
         # Under CUDA-graph capture the forward quantizes the weights inside the graph, so that every replay reads
@@ -299,11 +308,13 @@ class GroupedFP8Linear(_GroupedWeights):
         read."""
         if activation is None:
             return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
-                                      pow2_scales=self.pow2_scales, permutation=permutation, combine=combine)
+                                      pow2_scales=self.pow2_scales, permutation=permutation, combine=combine,
+                                      keep_transposed_weight=self.keep_transposed_weight)
         if permutation is not None or combine is not None:
             raise ValueError("a linear with an activation (its input is h) takes no permutation or combine")
         return fp8_activation_grouped_linear(x, probs, activation, self.weights, groups, cache=self._cache(),
-                                             backend=self.backend, pow2_scales=self.pow2_scales)
+                                             backend=self.backend, pow2_scales=self.pow2_scales,
+                                             keep_transposed_weight=self.keep_transposed_weight)
 
 
 class GroupedBF16Linear(_GroupedWeights):
@@ -392,7 +403,8 @@ class GroupedFP8MLP(_GroupedMLP):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu",
                  pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *,
                  weight_layout: str = "stacked", device=None,
-                 init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False):
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False,
+                 keep_transposed_weight: bool = True):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
@@ -404,7 +416,8 @@ class GroupedFP8MLP(_GroupedMLP):
                 f"contracts over one of them in 128-wide scaling blocks), got {hidden_size} and {ffn_hidden_size}"
             )
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
-                                   weight_layout=weight_layout, device=device, init_method=init_method)
+                                   weight_layout=weight_layout, device=device, init_method=init_method,
+                                   keep_transposed_weight=keep_transposed_weight)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")

@@ -105,6 +105,35 @@ def test_recomputed_activation_gives_the_same_bits(g, h, f, t, dist, activation,
     _assert_same_bits(ours, recomputing, _inputs(make_group_sizes(t, g, dist, seed=13), h, seed=14))
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_transposing_the_weights_in_backward_gives_the_same_bits_and_holds_less(recompute):
+    """`keep_transposed_weight=False`: W^T's FP8 copies made in backward from W's (the same bytes) give every output
+    and gradient bit for bit, and between the forward and the backward the layer holds exactly W^T's copies less
+    (1 byte per weight and their scales)."""
+    g, h, f = 8, 1024, 512
+    torch.manual_seed(0)
+    kept = GroupedFP8MLP(g, h, f, device=DEV, recompute_activation=recompute)
+    transposing = GroupedFP8MLP(g, h, f, device=DEV, recompute_activation=recompute, keep_transposed_weight=False)
+    transposing.load_state_dict(kept.state_dict())
+    x, sizes, probs, dy = _inputs(make_group_sizes(3000, g, "paper", seed=15), h, seed=16)
+    _assert_same_bits(kept, transposing, (x, sizes, probs, dy))
+
+    def held(module):  # bytes allocated by the forward and alive until its backward
+        module.invalidate_weight_cache()
+        xr, pr = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out, _ = module(xr, sizes, pr)
+        torch.cuda.synchronize()
+        kept_bytes = torch.cuda.memory_allocated() - before
+        out.backward(dy)
+        return kept_bytes
+
+    weights = g * (2 * f * h + h * f)  # fc1 [G, 2F, H] and fc2 [G, H, F]
+    scales = 4 * g * (2 * f // 128 * h // 128 + h // 128 * f // 128)
+    assert held(kept) - held(transposing) == weights + scales
+
+
 def test_padded_twin_is_bit_exact_with_pow2_scales():
     ours, padded = _modules(8, 512, 256, "swiglu", 128, pow2_scales=True)
     inputs = _inputs(make_group_sizes(1500, 8, "with_empty", seed=3), 512, seed=4)
