@@ -111,14 +111,28 @@ class Step:
         out = self()
         return [out.detach(), self.x.grad, self.probs.grad] + [w.grad for w in self.module.parameters()]
 
+    def resident_bytes(self):
+        """What the layer holds between steps, after `reset`: its parameters, and the FP8 weight copies its caches
+        keep (none when the step re-quantizes; with cached weights, W's and, unless `keep_transposed_weight=False`,
+        W^T's)."""
+        held = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        for m in self.module.modules():
+            value = m.weight_cache._value if hasattr(m, "weight_cache") else None
+            held += sum(t.numel() * t.element_size() for t in (value or ()) if t is not None)
+        return held
+
     def peak_mb(self):
+        """(the step's own peak: max_memory_allocated over one step minus what was allocated before it; the layer's
+        peak: that plus what the layer holds before the step, so that no form of the weights drops out), MB."""
         self.reset()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         self()
         torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
+        step = torch.cuda.max_memory_allocated() - base
+        self.reset()
+        return step / 2**20, (step + self.resident_bytes()) / 2**20
 
 
 class GraphStep:
@@ -183,11 +197,13 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
     return H, F, sizes, x, probs, dy
 
 
-def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True):
+def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True,
+               keep_transposed_weight=True):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
-    ours = GroupedFP8MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
-    padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, weight_layout=weight_layout, device=dev)
+    fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight}
+    ours = GroupedFP8MLP(G, H, F, "swiglu", **fp8)
+    padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, **fp8)
     bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
     padded.load_state_dict(ours.state_dict())
     bf16.load_state_dict(ours.state_dict())
@@ -199,7 +215,7 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     row = {"model": model, "G": G, "M": M, "H": H, "F": F, "dist": dist, "seed": seed,
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
            "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
-           "weight_layout": weight_layout}
+           "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight}
 
     times = common.bench_blocks(steps, iters=iters)  # each step timed after its own kind (see bench_blocks)
     for name in METHODS:
@@ -208,7 +224,8 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
             continue
         row[f"{name}_ms"] = round(times[name], 4)
         row[f"{name}_tflops"] = round(flops / times[name] / 1e9, 1)
-        row[f"{name}_peak_mb"] = round(steps[name].peak_mb(), 1)
+        step_mb, layer_mb = steps[name].peak_mb()
+        row[f"{name}_peak_mb"], row[f"{name}_layer_peak_mb"] = round(step_mb, 1), round(layer_mb, 1)
 
     for name in METHODS:
         if f"{name}_ms" in row:
@@ -274,6 +291,9 @@ def summarize(rows):
         "peak_mb_below_padded_where_padding_adds_rows": all(
             r["ours_peak_mb"] < r["padded_path_peak_mb"] for r in mem_rows if r["pad_rows_pct"] > 0),
         "all_bitexact": all(r["bitexact"] for r in rows),
+        # everything the layer holds across a step (parameters, FP8 copies, gradients, the step's memory): ours / BF16
+        "max_layer_peak_vs_bf16": max((r["ours_layer_peak_mb"] / r["bf16_layer_peak_mb"] for r in rows
+                                       if "ours_layer_peak_mb" in r and "bf16_layer_peak_mb" in r), default=None),
         # CUDA-graphed steps (no host time): ours vs the BF16 layer, graphed too, at M = 32768
         "graph_geomean_vs_bf16_m32768": geomean([r.get("graph_speedup_vs_bf16") for r in rows if r["M"] == 32768]),
         "graph_all_bitexact": all(r.get("graph_bitexact", True) for r in rows),
@@ -292,18 +312,24 @@ def main():
     ap.add_argument("--no-graphs", action="store_true",
                     help="time the eager steps only (by default each method's step is also captured in a CUDA graph "
                          "and timed replayed: `<method>_graph_ms`; graphs hold their own gradient buffers)")
+    ap.add_argument("--transpose-in-backward", action="store_true",
+                    help="the FP8 modules keep W's copy only and make W^T's in backward (keep_transposed_weight="
+                         "False: the same bits, less held across the step)")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
+                    help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
-    todo = configs(args.quick)
-    for i, (model, G, M, dist) in enumerate(todo):
+    todo = [(i, c) for i, c in enumerate(configs(args.quick)) if args.models is None or c[0] in args.models]
+    for n, (i, (model, G, M, dist)) in enumerate(todo):  # a row keeps its seed when --models leaves others out
         row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
-                         weight_layout=args.weight_layout, graphs=not args.no_graphs)
+                         weight_layout=args.weight_layout, graphs=not args.no_graphs,
+                         keep_transposed_weight=not args.transpose_in_backward)
         rows.append(row)
-        print(f"[{i + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
+        print(f"[{n + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
               f"bitexact={row['bitexact']}; host {row.get('ours_host_ms')} ms; graphed: ours {row.get('ours_graph_ms')} "
               f"ms, x{row.get('graph_speedup_vs_bf16')} vs bf16 graphed, bitexact={row.get('graph_bitexact')}",
@@ -312,12 +338,17 @@ def main():
     command = "python benchmarks/bench_mlp_layer.py" + (" --quick" if args.quick else "") + (
         " --cached-weights" if args.cached_weights else "") + (
         f" --weight-layout {args.weight_layout}" if args.weight_layout != "stacked" else "") + (
-        " --no-graphs" if args.no_graphs else "")
+        " --no-graphs" if args.no_graphs else "") + (
+        " --transpose-in-backward" if args.transpose_in_backward else "") + (
+        f" --models {' '.join(args.models)}" if args.models else "")
     path = common.write_result("mlp_layer", rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
         "weight_layout": args.weight_layout,
         "peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it "
                               "(weights and inputs allocated; gradients and FP8 weight copies not)",
+        "layer_peak_mb_definition": "peak_mb plus what the layer holds before the step: its parameters and the FP8 "
+                                    "weight copies its caches keep (none when re-quantized; W and W^T when cached, "
+                                    "W only with --transpose-in-backward): every byte of the layer at its peak",
         "te_reported_source": "issue 5: Transformer Engine 2.20 GroupedLinear, blockwise FP8 recipe behind "
                               "Fp8Padding, fc1 -> SwiGLU*probs -> fc2, fwd+bwd, paper sizes, H200; quoted, "
                               "not measured by this script",
