@@ -909,6 +909,21 @@ def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
         megatron_experts(4, make_config(**moe_act), mode="bf16", backend="reference")
 
 
+def test_the_transpose_flag_reaches_the_fp8_linears():
+    """config.moe_megatron_tma_transpose_weights_in_backward (unset: False) -> keep_transposed_weight of both FP8
+    linears, in every FP8 mode; anything but a bool is refused with the field named."""
+    for mode in ("unpadded", "padded128"):
+        plain = megatron_experts(4, make_config(), mode=mode, backend="reference")
+        assert plain.linear_fc1.keep_transposed_weight and plain.linear_fc2.keep_transposed_weight
+        config = make_config()
+        setattr(config, mcore.TRANSPOSE_FLAG, True)
+        experts = megatron_experts(4, config, mode=mode, backend="reference")
+        assert not experts.linear_fc1.keep_transposed_weight and not experts.linear_fc2.keep_transposed_weight
+    setattr(config, mcore.TRANSPOSE_FLAG, 1)
+    with pytest.raises(TypeError, match="moe_megatron_tma_transpose_weights_in_backward must be a bool"):
+        megatron_experts(4, config, backend="reference")
+
+
 @pytest.mark.skipif(not __import__("megatron_tma")._ext.cuda_kernels_available(),
                     reason="needs an sm_90 GPU and the built extension")
 def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():

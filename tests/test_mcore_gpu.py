@@ -47,7 +47,9 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
     args = ("--steps", "8", "--modes", "unpadded", "padded16")
     plain, _ = recipe(tmp_path / "plain", *args)
     for name, option in (("moe_act", ("--recompute-modules", "moe_act")), ("moe", ("--recompute-modules", "moe")),
-                         ("full", ("--recompute-full",))):
+                         ("full", ("--recompute-full",)),
+                         # not a recompute, the same promise: W^T made in each backward instead of kept
+                         ("transposed", ("--transpose-weights-in-backward",))):
         path, result = recipe(tmp_path / name, *args, *option)
         assert result["summary"]["padded16"]["bitexact_params"], name
         _assert_same_bits(plain, path, 2, name)

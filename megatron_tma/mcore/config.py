@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CONFIG_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
+__all__ = ["CONFIG_FLAG", "TRANSPOSE_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
 
 # The experts a Megatron layer spec can be given (megatron_tma.mcore.spec): the unpadded FP8 MLP, its padded twin
 # (every expert's tokens padded to 16 or 128 rows, the same FP8 Functions: the bit-exactness oracle), and the same
@@ -18,6 +18,9 @@ MODES = ("unpadded", "padded16", "padded128", "bf16")
 # The config flag: a TransformerConfig attribute, None (Megatron's own experts) or one of MODES
 # (megatron_tma.mcore.spec.layer_spec_from_config reads it).
 CONFIG_FLAG = "moe_megatron_tma_experts"
+# A TransformerConfig attribute, bool (unset: False): the FP8 experts keep W's FP8 copy only and make W^T's in each
+# backward (megatron_tma.mlp's keep_transposed_weight=False: the same bits, one layer's W^T alive at a time).
+TRANSPOSE_FLAG = "moe_megatron_tma_transpose_weights_in_backward"
 
 
 class ExpertMLPArgs(NamedTuple):

@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import check_backend, warn_if_reference_on_gpu
 from ..activation import GATED
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP
-from .config import expert_mlp_args, expert_tensor_parallel_size, pad_to_of
+from .config import TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
 
@@ -368,8 +368,12 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
+        transpose = getattr(config, TRANSPOSE_FLAG, False)
+        if not isinstance(transpose, bool):
+            raise TypeError(f"config.{TRANSPOSE_FLAG} must be a bool, got {type(transpose).__name__} {transpose!r}")
         module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device,
-                                    recompute_activation=_recomputes_activation(config))
+                                    recompute_activation=_recomputes_activation(config),
+                                    keep_transposed_weight=not transpose)
     module._setup_for_megatron(config)
     module._pg_collection = pg_collection  # the expert process groups, for the distributed checkpoint
     return module

@@ -13,7 +13,7 @@ from .options import fail
 # which modes): every other option must be the checkpoint's for a resume (check_resume).
 NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "kill_after_step", "plot", "compare",
                 "same_bits", "profile_step", "dist_ckpt_optim_fully_reshardable", "preset", "experts_share_steps",
-                "device_token_counts")  # the last: the same bits with or without it
+                "device_token_counts", "transpose_weights_in_backward")  # the last two: the same bits either way
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
 ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None,
                  "moe_permute_fusion": False, "gradient_accumulation_fusion": False,

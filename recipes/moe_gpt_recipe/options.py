@@ -155,6 +155,10 @@ def parse_args(argv=None):
                         "fused_weight_gradient_mlp_cuda in the local spec and the output layer, TE's "
                         "fuse_wgrad_accumulation in TE's modules). megatron_tma's experts always accumulate into "
                         "main_grad; needs Apex built with its CUDA extensions")
+    p.add_argument("--transpose-weights-in-backward", action="store_true",
+                   help="megatron_tma's FP8 modes keep each expert weight's FP8 copy only and make W^T's in each "
+                        "backward (config.moe_megatron_tma_transpose_weights_in_backward: the same bits, one "
+                        "layer's W^T copy alive at a time instead of every layer's across the step)")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
@@ -234,6 +238,7 @@ def parse_args(argv=None):
             ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
             ("--profile-step", args.profile_step is not None),
             ("--device-token-counts", args.device_token_counts),
+            ("--transpose-weights-in-backward", args.transpose_weights_in_backward),
             ("--permute-in-experts", args.permute_in_experts),
             ("--moe-permute-fusion", args.moe_permute_fusion),
             ("--gradient-accumulation-fusion", args.gradient_accumulation_fusion),
