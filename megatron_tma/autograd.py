@@ -76,7 +76,8 @@ def transposed_weights(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, 
     W's transposed (quantize_128x128 writes both from one read), so dgrad's operand can be made from the forward's
     copy, bit for bit, when it is not kept (`keep_transposed_weight=False`: a 1-byte transpose in backward instead of
     W^T held from the forward to its layer's backward)."""
-    return q.transpose(-1, -2).contiguous(), s.transpose(-1, -2).contiguous()
+    qt = q.view(torch.uint8).transpose(-1, -2).contiguous().view(q.dtype)  # a byte copy on every torch build
+    return qt, s.transpose(-1, -2).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------------------
