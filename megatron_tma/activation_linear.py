@@ -25,11 +25,13 @@ from ._validate import check_bool
 from .autograd import (FP8WeightCache, Weights, check_linear_args, dgrad_operands, dgrad_weights, linear_backward,
                        linear_forward, quantized_weights)
 from .groups import Groups
+from .wgrad_deferral import WgradDeferral
 
 __all__ = ["fp8_activation_grouped_linear"]
 
-# Positions in forward's inputs (h, probs, groups, q, s, qt, st, activation, use_kernel, backend, pow2, *weights).
-_H, _PROBS, _WEIGHTS = 0, 1, 11
+# Positions in forward's inputs (h, probs, groups, q, s, qt, st, activation, use_kernel, backend, pow2, deferral,
+# *weights).
+_H, _PROBS, _WEIGHTS = 0, 1, 12
 
 
 def _z(h, probs, activation, use_kernel):
@@ -41,11 +43,12 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
     """y = grouped(act(h) * probs . W^T), saving h and the probs; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, h, probs, groups, q, s, qt, st, activation, use_kernel, backend, pow2, *weights):
+    def forward(ctx, h, probs, groups, q, s, qt, st, activation, use_kernel, backend, pow2, deferral, *weights):
         need_dz = ctx.needs_input_grad[_H] or ctx.needs_input_grad[_PROBS]
         y = linear_forward(_z(h, probs, activation, use_kernel), groups, q, s, backend, pow2)
         ctx.activation, ctx.use_kernel, ctx.backend, ctx.pow2 = activation, use_kernel, backend, pow2
         ctx.groups_meta, ctx.need_dw = groups[1:], any(ctx.needs_input_grad[_WEIGHTS:])
+        ctx.deferral = deferral
         ctx.save_for_backward(h, probs, groups.tensor, *dgrad_operands(ctx, q, s, qt, st, need_dz), *weights)
         return y
 
@@ -62,7 +65,7 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
             zt, zt_s = quant.run_grouped_128x1(z, groups, ctx.pow2, ctx.backend)
             del z
         dz, wgrads = linear_backward(dy, groups, zt, zt_s, qt, st, weights, need_dh or need_dprobs,
-                                     ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2)
+                                     ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2, deferral=ctx.deferral)
         del zt, zt_s
         dh = dprobs = None
         if dz is not None:
@@ -81,12 +84,13 @@ def fp8_activation_grouped_linear(
     backend: str = "auto",
     pow2_scales: bool = False,
     keep_transposed_weight: bool = True,
+    wgrad_deferral: Optional[WgradDeferral] = None,
 ) -> torch.Tensor:
     """`fp8_grouped_linear(activation_times_probs(h, probs, activation), weight, groups)` with the activation
     recomputed in backward instead of its FP8 columns kept (module docstring). The arguments are those of the two
     functions; h: bf16 `[T, 2F]` (SwiGLU, gate half first) or `[T, F]`, weight `[G, N, F]` (or G `[N, F]`).
     Returns bf16 `[T, N]`, with gradients for h, the probs and the weights. keep_transposed_weight: as
-    `fp8_grouped_linear`'s."""
+    `fp8_grouped_linear`'s, and so is wgrad_deferral."""
     check_activation_args(h, probs, activation)
     f = h.shape[1] // 2 if activation in GATED else h.shape[1]
     weights, groups = check_linear_args(h[:, :f], weight, groups, backend, pow2_scales, x_name="act(h)",
@@ -102,4 +106,4 @@ def fp8_activation_grouped_linear(
         z = _z(h, probs, activation, use_kernel)
         return linear_forward(z, groups, wq.q, wq.s, backend, pow2_scales)
     return _FP8ActivationGroupedLinear.apply(h, probs, groups, wq.q, wq.s, wq.qt, wq.st, activation, use_kernel,
-                                             backend, pow2_scales, *weights)
+                                             backend, pow2_scales, wgrad_deferral, *weights)

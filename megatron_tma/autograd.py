@@ -41,6 +41,7 @@ from ._validate import (check_aligned16, check_bool, check_same_device, check_te
                         not_twice_differentiable)
 from .groups import Groups, check_groups
 from .limits import K_GROUPED_MAX_GROUPS, check_num_groups
+from .wgrad_deferral import PendingWgrad, WgradDeferral
 
 __all__ = [
     "QuantizedWeights",
@@ -359,8 +360,8 @@ class FP8WeightCache:
 # --------------------------------------------------------------------------------------------------------------
 
 # Positions in forward's inputs (x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2,
-# *weights) of x and the first weight.
-_X, _WEIGHTS = 0, 12
+# deferral, *weights) of x and the first weight.
+_X, _WEIGHTS = 0, 13
 
 
 def linear_forward(x, groups, q, s, backend, pow2):
@@ -378,7 +379,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
     the output gradient's rows inside dY's quantizer."""
 
     @staticmethod
-    def forward(ctx, x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2, *weights):
+    def forward(ctx, x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2, deferral,
+                *weights):
         need_dx = ctx.needs_input_grad[_X]
         need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
         xt = xt_s = None
@@ -393,7 +395,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
             y = linear_forward(x if rows is None else x.index_select(0, rows), groups, q, s, backend, pow2)
         if out_token_rows is not None:
             y = _permutation.run_combine_rows(y, out_token_rows, backend)
-        ctx.backend, ctx.pow2, ctx.groups_meta = backend, pow2, groups[1:]
+        ctx.backend, ctx.pow2, ctx.groups_meta, ctx.deferral = backend, pow2, groups[1:], deferral
         ctx.save_for_backward(groups.tensor, xt, xt_s, *dgrad_operands(ctx, q, s, qt, st, need_dx),
                               token_rows if need_dx else None, out_rows, *weights)
         return y
@@ -405,17 +407,19 @@ class _FP8GroupedLinear(torch.autograd.Function):
         qt, st = dgrad_weights(ctx, qt, st)
         dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
                                      ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2,
-                                     dy_rows=out_rows)
+                                     dy_rows=out_rows, deferral=ctx.deferral)
         if dx is not None and token_rows is not None:
             dx = _permutation.run_combine_rows(dx, token_rows, ctx.backend)
         return (dx,) + (None,) * (_WEIGHTS - 1) + tuple(wgrads)
 
 
-def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2, dy_rows=None):
+def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2, dy_rows=None,
+                    deferral: Optional[WgradDeferral] = None):
     """(dX or None, the weights' gradients as `_weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
     what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
     (qt, st; None if X wants none). `groups` is the forward's checked description. `dy_rows`: dY's rows are
-    `dy[dy_rows]` (the gradient of a combined output), gathered by the quantizer when it makes both forms."""
+    `dy[dy_rows]` (the gradient of a combined output), gathered by the quantizer when it makes both forms.
+    `deferral`: the weight gradient's operands are kept there (no gradient returned) until `flush_wgrad`."""
     dy = dy.contiguous()
     if misalignment16(dy):  # (autograd may hand a view at any offset; the quantizers read 16-byte vectors)
         dy = dy.clone()
@@ -437,9 +441,27 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
         dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
         del dyq, dy_s
     wgrads = [None] * len(weights)
-    if need_dw:
+    if need_dw and deferral is not None:
+        deferral.add(PendingWgrad(dyt, dyt_s, xt, xt_s, groups), tuple(needs_dw))
+    elif need_dw:
         wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
     return dx, wgrads
+
+
+def flush_wgrad(deferral: WgradDeferral, weights: Sequence[torch.Tensor], backend: str = "auto") -> int:
+    """Compute the weight gradients `deferral` holds in one K-grouped GEMM (megatron_tma.wgrad_deferral) and route
+    them as a backward would have: added into each weight's `main_grad` (FP32 accumulated in the GEMM), else into
+    its `.grad`. Returns how many backwards it held (0: nothing pending, nothing done)."""
+    if not len(deferral):
+        return 0
+    needs = deferral.needs
+    item, count = deferral.take()
+    grads = _weight_grads(tuple(weights), needs, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
+    with torch.no_grad():
+        for w, g in zip(weights, grads):
+            if g is not None and getattr(w, "main_grad", None) is None:  # (main_grad's path returns dummies)
+                w.grad = g if w.grad is None else w.grad + g
+    return count
 
 
 def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
@@ -527,6 +549,7 @@ def fp8_grouped_linear(
     permutation: Optional[_permutation.Permutation] = None,
     combine: Optional[_permutation.Permutation] = None,
     keep_transposed_weight: bool = True,
+    wgrad_deferral: Optional[WgradDeferral] = None,
 ) -> torch.Tensor:
     """`y[rows of g] = x[rows of g] . W_g^T` in FP8 (docs/design.md §3), with gradients for x and the weights.
 
@@ -544,6 +567,8 @@ def fp8_grouped_linear(
     rows, and backward gathers the tokens' gradient rows inside dY's quantizer (never a BF16 copy of them).
     keep_transposed_weight: True keeps dgrad's W^T copy from the forward (in the cache, with W's); False keeps W's
     only and makes W^T in backward by transposing it (the same bits; memory for a 1-byte transpose per backward).
+    wgrad_deferral: a `megatron_tma.wgrad_deferral.WgradDeferral`; backward then keeps the weight gradient's FP8
+    operands there instead of computing it, and `flush_wgrad` computes every pending one in one GEMM.
     """
     if permutation is None:
         weights, groups = check_linear_args(x, weight, groups, backend, pow2_scales)
@@ -567,4 +592,4 @@ def fp8_grouped_linear(
         y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2_scales)
         return y if combine is None else _permutation.run_combine_rows(y, out_token_rows, backend)
     return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, rows, token_rows, out_rows, out_token_rows,
-                                   backend, pow2_scales, *weights)
+                                   backend, pow2_scales, wgrad_deferral, *weights)

@@ -36,6 +36,10 @@ checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Bo
 W^T's copy by transposing it (the same bytes and scales: bit for bit what the quantizer writes): one layer's W^T
 alive at a time instead of every layer's across the step, for a 1-byte-per-weight transpose in each backward.
 
+`defer_wgrad=True` keeps each backward's weight-gradient operands (FP8 token columns of dY and X) instead of computing
+the gradient, and `flush_wgrad()` computes all pending ones in one K-grouped GEMM per linear (megatron_tma.
+wgrad_deferral): with gradient accumulation, one pass over the FP32 `main_grad` a step instead of one a micro-batch.
+
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
@@ -64,11 +68,12 @@ from . import _ext, ops
 from ._validate import check_bool, check_int, check_same_device, check_tensor
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
-from .autograd import FP8WeightCache, fp8_grouped_linear, stack_weights, stacked_view
+from .autograd import FP8WeightCache, flush_wgrad, fp8_grouped_linear, stack_weights, stacked_view
 from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 from .permutation import Permutation, check_permutation, combine_rows, gather_rows
+from .wgrad_deferral import WgradDeferral
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
            "activation_times_probs", "WEIGHT_LAYOUTS"]
@@ -253,7 +258,7 @@ class GroupedFP8Linear(_GroupedWeights):
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
                  weight_layout: str = "stacked", device=None, init_method=None,
-                 keep_transposed_weight: bool = True):
+                 keep_transposed_weight: bool = True, defer_wgrad: bool = False):
         # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
         # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
         check_num_experts(num_groups, "num_groups")
@@ -269,7 +274,11 @@ class GroupedFP8Linear(_GroupedWeights):
                          init_method=init_method)
         _ext.check_backend(backend)
         check_bool(keep_transposed_weight, "keep_transposed_weight")
+        check_bool(defer_wgrad, "defer_wgrad")
         self.backend, self.pow2_scales = backend, pow2_scales
+        # True: backward keeps the weight gradient's FP8 operands and flush_wgrad() computes all of them in one GEMM
+        # (megatron_tma.wgrad_deferral: one pass over main_grad a step instead of one a micro-batch)
+        self.wgrad_deferral = WgradDeferral() if defer_wgrad else None
         # False: the cache holds W's FP8 copy only, and backward makes W^T's from it (the same bits): one layer's
         # W^T at a time instead of every layer's from the forward to the backward (fp8_grouped_linear)
         self.keep_transposed_weight = keep_transposed_weight
@@ -286,7 +295,16 @@ class GroupedFP8Linear(_GroupedWeights):
         # its own, since it holds its device's copies of the weights and runs in a thread of its own.
         replica = super()._replicate_for_data_parallel()
         replica.weight_cache = FP8WeightCache()
+        if self.wgrad_deferral is not None:
+            replica.wgrad_deferral = WgradDeferral()
         return replica
+
+    def flush_wgrad(self) -> int:
+        """With `defer_wgrad=True`: compute the weight gradients of the backwards since the last flush, in one
+        K-grouped GEMM, into `main_grad` (else `.grad`); returns how many backwards that was (0: none pending)."""
+        if self.wgrad_deferral is None:
+            raise RuntimeError("flush_wgrad: this linear computes its weight gradients in backward (defer_wgrad=False)")
+        return flush_wgrad(self.wgrad_deferral, self.weights, self.backend)
 
     def _cache(self) -> Optional[FP8WeightCache]:
         if torch.compiler.is_compiling():  # no cache in a compiled graph (autograd.quantized_weights says why)
@@ -309,12 +327,14 @@ class GroupedFP8Linear(_GroupedWeights):
         if activation is None:
             return fp8_grouped_linear(x, self.weights, groups, cache=self._cache(), backend=self.backend,
                                       pow2_scales=self.pow2_scales, permutation=permutation, combine=combine,
-                                      keep_transposed_weight=self.keep_transposed_weight)
+                                      keep_transposed_weight=self.keep_transposed_weight,
+                                      wgrad_deferral=self.wgrad_deferral)
         if permutation is not None or combine is not None:
             raise ValueError("a linear with an activation (its input is h) takes no permutation or combine")
         return fp8_activation_grouped_linear(x, probs, activation, self.weights, groups, cache=self._cache(),
                                              backend=self.backend, pow2_scales=self.pow2_scales,
-                                             keep_transposed_weight=self.keep_transposed_weight)
+                                             keep_transposed_weight=self.keep_transposed_weight,
+                                             wgrad_deferral=self.wgrad_deferral)
 
 
 class GroupedBF16Linear(_GroupedWeights):
@@ -404,7 +424,7 @@ class GroupedFP8MLP(_GroupedMLP):
                  pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *,
                  weight_layout: str = "stacked", device=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False,
-                 keep_transposed_weight: bool = True):
+                 keep_transposed_weight: bool = True, defer_wgrad: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
@@ -417,7 +437,7 @@ class GroupedFP8MLP(_GroupedMLP):
             )
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
                                    weight_layout=weight_layout, device=device, init_method=init_method,
-                                   keep_transposed_weight=keep_transposed_weight)
+                                   keep_transposed_weight=keep_transposed_weight, defer_wgrad=defer_wgrad)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
@@ -435,6 +455,11 @@ class GroupedFP8MLP(_GroupedMLP):
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pad_to={self.pad_to}"
                 + (", recompute_activation=True" if self.recompute_activation else ""))
+
+    def flush_wgrad(self) -> int:
+        """With `defer_wgrad=True`: both linears' pending weight gradients, each in one GEMM (`GroupedFP8Linear.
+        flush_wgrad`); returns how many backwards they held."""
+        return max(self.linear_fc1.flush_wgrad(), self.linear_fc2.flush_wgrad())
 
     def invalidate_weight_cache(self) -> None:
         """Re-quantize the weights in the next forward (after updates their version counters do not show)."""

@@ -134,6 +134,39 @@ def test_transposing_the_weights_in_backward_gives_the_same_bits_and_holds_less(
     assert held(kept) - held(transposing) == weights + scales
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_deferred_weight_gradients_over_micro_batches(recompute):
+    """`defer_wgrad=True` (megatron_tma.wgrad_deferral): three micro-batches, then one K-grouped GEMM per linear into
+    main_grad. The input gradients are the undeferred layer's bits, main_grad is within FP32 rounding of the
+    undeferred sum and the deferred padded twin's bits, and nothing reaches main_grad before the flush."""
+    g, h, f = 8, 1024, 512
+
+    def run(defer, pad_to=None):
+        torch.manual_seed(0)
+        module = GroupedFP8MLP(g, h, f, device=DEV, pad_to=pad_to, defer_wgrad=defer, recompute_activation=recompute)
+        for w in module.parameters():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
+        grads = []
+        for i, dist in enumerate(("paper", "with_empty", "skewed")):
+            x, sizes, probs, dy = _inputs(make_group_sizes(1500 + 700 * i, g, dist, seed=20 + i), h, seed=30 + i)
+            x, probs = x.requires_grad_(), probs.requires_grad_()
+            out, _ = module(x, sizes, probs)
+            out.backward(dy)
+            grads += [out.detach(), x.grad, probs.grad]
+        if defer:
+            assert all(not w.main_grad.any() for w in module.parameters())
+            assert module.flush_wgrad() == 3
+        return grads, [w.main_grad for w in module.parameters()]
+
+    plain_in, plain_w = run(False)
+    deferred_in, deferred_w = run(True)
+    twin_in, twin_w = run(True, pad_to=128)
+    assert all(torch.equal(u, v) for u, v in zip(deferred_in, plain_in))
+    assert all(torch.equal(u, v) for u, v in zip(deferred_in, twin_in))
+    assert all(torch.equal(u, v) for u, v in zip(deferred_w, twin_w))
+    assert all(T.diff(u, v) < 1e-10 for u, v in zip(deferred_w, plain_w))
+
+
 def test_padded_twin_is_bit_exact_with_pow2_scales():
     ours, padded = _modules(8, 512, 256, "swiglu", 128, pow2_scales=True)
     inputs = _inputs(make_group_sizes(1500, 8, "with_empty", seed=3), 512, seed=4)
