@@ -454,7 +454,8 @@ def flush_wgrad(deferral: WgradDeferral, weights: Sequence[torch.Tensor], backen
     its `.grad`. Returns how many backwards it held (0: nothing pending, nothing done)."""
     if not len(deferral):
         return 0
-    needs = deferral.needs
+    # into main_grad the GEMM accumulates whatever `needs` says; no dummy gradient for DDP's hooks is wanted here
+    needs = (False,) * len(weights) if getattr(weights[0], "main_grad", None) is not None else deferral.needs
     item, count = deferral.take()
     grads = _weight_grads(tuple(weights), needs, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
     with torch.no_grad():

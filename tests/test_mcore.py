@@ -909,6 +909,48 @@ def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
         megatron_experts(4, make_config(**moe_act), mode="bf16", backend="reference")
 
 
+def test_deferred_expert_wgrads_are_flushed_before_megatrons_finalize():
+    """defer_expert_wgrads: the experts' backward leaves main_grad alone until Megatron's finalize_model_grads_func
+    runs, which first computes every micro-batch's weight gradient in one GEMM per linear: the twin's bits, within
+    FP32 rounding of the undeferred experts'; refused beside DDP's overlapped reduction or without a finalize."""
+    from megatron_tma import testing as T
+
+    calls = []
+
+    def run(mode, defer):
+        torch.manual_seed(0)
+        config = make_config(finalize_model_grads_func=lambda *a, **k: calls.append(a))
+        experts = megatron_experts(4, config, mode=mode, backend="reference")
+        chunk = torch.nn.Sequential(experts)
+        weights = _ddp_weights(experts)
+        if defer:
+            assert mcore.defer_expert_wgrads([chunk], config) == 1
+            assert mcore.defer_expert_wgrads([chunk], config) == 1  # again: one wrapper, not two
+        gen = torch.Generator().manual_seed(1)
+        for sizes in ([40, 0, 31, 9], [1, 130, 0, 64]):
+            t = sum(sizes)
+            x = torch.randn(t, 256, generator=gen).bfloat16().requires_grad_()
+            probs = torch.rand(t, generator=gen)
+            experts(x, torch.tensor(sizes), probs)[0].backward(torch.randn(t, 256, generator=gen).bfloat16())
+        assert all(w.main_grad.any() != defer for w in weights)  # deferred: nothing before the finalize
+        n = len(calls)
+        config.finalize_model_grads_func([chunk], 1)
+        assert len(calls) == n + 1  # Megatron's own finalize still runs, once
+        return [w.main_grad.clone() for w in weights]
+
+    plain, deferred, twin = run("unpadded", False), run("unpadded", True), run("padded16", True)
+    assert all(torch.equal(u, v) for u, v in zip(deferred, twin))
+    assert all(T.diff(u, v) < 1e-10 and not torch.equal(u, v) for u, v in zip(deferred, plain))
+    experts = megatron_experts(4, make_config(), backend="reference")
+    with pytest.raises(ValueError, match="finalize_model_grads_func, which is not set"):
+        mcore.defer_expert_wgrads([experts], make_config(finalize_model_grads_func=None))
+    overlapped = torch.nn.Sequential(experts)
+    overlapped.ddp_config = types.SimpleNamespace(overlap_grad_reduce=True)
+    with pytest.raises(ValueError, match="overlap_grad_reduce=False"):
+        mcore.defer_expert_wgrads([overlapped], make_config(finalize_model_grads_func=print))
+    assert mcore.defer_expert_wgrads([torch.nn.Linear(2, 2)], make_config()) == 0
+
+
 def test_the_transpose_flag_reaches_the_fp8_linears():
     """config.moe_megatron_tma_transpose_weights_in_backward (unset: False) -> keep_transposed_weight of both FP8
     linears, in every FP8 mode; anything but a bool is refused with the field named."""

@@ -138,7 +138,8 @@ def test_cpu_job_resumes_bit_exact_after_a_kill(tmp_path):
 def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
                    ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"],
-                   ["--gradient-accumulation-fusion"], ["--normalization", "LayerNorm"]):
+                   ["--gradient-accumulation-fusion"], ["--normalization", "LayerNorm"], ["--defer-expert-wgrad"],
+                   ["--transpose-weights-in-backward"]):
         with pytest.raises(SystemExit) as e:
             recipe.options.parse_args(["--cpu", *option])
         assert e.value.code == 2, option
@@ -603,6 +604,15 @@ def test_apex_options_are_megatron_lms(recipe, gpu_job, monkeypatch, tmp_path):
             monkeypatch.setattr(gpu_job.megatron_core, "te_import_error", lambda: None)
         _one_line(gpu_job, ["--out", str(tmp_path), "--gradient-accumulation-fusion", *spec],
                   "--gradient-accumulation-fusion needs Apex's fused_weight_gradient_mlp_cuda")
+
+
+def test_deferred_expert_wgrads_are_refused_beside_overlapped_reduction(recipe, capsys):
+    assert recipe.options.parse_args(["--defer-expert-wgrad"]).defer_expert_wgrad
+    with pytest.raises(SystemExit):
+        recipe.options.parse_args(["--defer-expert-wgrad", "--overlap-grad-reduce"])
+    assert "--overlap-grad-reduce reduces them during it" in capsys.readouterr().err
+    args = recipe.options.parse_args(["--defer-expert-wgrad"])
+    assert recipe.checkpoints.training_args(args)["defer_expert_wgrad"] is True  # other bits: a training setting
 
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed here")

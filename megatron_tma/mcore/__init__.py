@@ -13,6 +13,8 @@
 * `experts_permutation`: `permute_in_experts(model)`, the same dispatcher handing the experts the tokens as they are:
   the experts gather the rows inside their first quantizer and combine their output per token (no permuted BF16
   copy either way);
+* `wgrad_deferral`: `defer_expert_wgrads(model_chunks, config)`, the experts' weight gradients computed once a step,
+  over every micro-batch, before Megatron's `finalize_model_grads`;
 * `experts_impl`: Megatron-LM's flag `--moe-experts-impl megatron_tma-unpadded`, which `patches/` adds: its choices
   and the hook the patched GPT builder calls (no Megatron import until the hook runs).
 The recipe that trains a small MoE GPT with each mode under torchrun and compares them is `recipes/moe_gpt.py`.
@@ -23,11 +25,13 @@ from .config import CONFIG_FLAG, MODES, TRANSPOSE_FLAG, ExpertMLPArgs, expert_ml
 from .device_token_counts import keep_token_counts_on_device
 from .experts_permutation import permute_in_experts
 from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
+from .wgrad_deferral import defer_expert_wgrads
 
 __all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts",
            "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights", "keep_token_counts_on_device",
-           "permute_in_experts",
-           "CONFIG_FLAG", "TRANSPOSE_FLAG", "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec", "replace_experts"]
+           "permute_in_experts", "defer_expert_wgrads",
+           "CONFIG_FLAG", "TRANSPOSE_FLAG", "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec",
+           "replace_experts"]
 
 _LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec",
          "replace_experts": "spec"}

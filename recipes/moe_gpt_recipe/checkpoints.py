@@ -16,7 +16,7 @@ NOT_TRAINING = ("modes", "out", "log_every", "save", "save_interval", "load", "k
                 "device_token_counts", "transpose_weights_in_backward")  # the last two: the same bits either way
 # Training options added after checkpoints had been saved (issue 33), with the value those checkpoints trained with.
 ADDED_OPTIONS = {"transformer_impl": "local", "fp8_format": None, "fp8_recipe": "blockwise", "shared_expert_ffn": None,
-                 "moe_permute_fusion": False, "gradient_accumulation_fusion": False,
+                 "moe_permute_fusion": False, "gradient_accumulation_fusion": False, "defer_expert_wgrad": False,
                  "normalization": "RMSNorm", "permute_in_experts": False,
                  # the model presets' attention options (issue 52)
                  "num_query_groups": None, "kv_channels": None, "qk_layernorm": False}

@@ -6,7 +6,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from megatron_tma.mcore import CONFIG_FLAG, TRANSPOSE_FLAG, from_sequential_mlp_key, megatron_experts
+from megatron_tma.mcore import (CONFIG_FLAG, TRANSPOSE_FLAG, defer_expert_wgrads, from_sequential_mlp_key,
+                                megatron_experts)
 
 from . import megatron_core as mc
 from .options import MEGATRONS_OWN
@@ -114,6 +115,8 @@ def build(args, mode):
               for i, gpt in enumerate(gpts)]
     config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     config.finalize_model_grads_func = mc.finalize_model_grads
+    if args.defer_expert_wgrad:  # (after the finalize it wraps; Megatron's own and the BF16 experts are left alone)
+        defer_expert_wgrads(models, config)
     optimizer = mc.get_megatron_optimizer(
         mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
                            bf16=True, use_distributed_optimizer=args.distributed_optimizer),
