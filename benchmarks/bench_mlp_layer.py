@@ -116,6 +116,7 @@ class Step:
         keep (none when the step re-quantizes; with cached weights, W's and, unless `keep_transposed_weight=False`,
         W^T's)."""
         held = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        held += sum(p.main_grad.numel() * 4 for p in self.module.parameters() if hasattr(p, "main_grad"))
         for m in self.module.modules():
             value = m.weight_cache._value if hasattr(m, "weight_cache") else None
             held += sum(t.numel() * t.element_size() for t in (value or ()) if t is not None)
@@ -133,6 +134,44 @@ class Step:
         step = torch.cuda.max_memory_allocated() - base
         self.reset()
         return step / 2**20, (step + self.resident_bytes()) / 2**20
+
+
+class AccumulatingStep(Step):
+    """A training step of `micro_batches` forward + backward passes on the same inputs, the weight gradients
+    accumulated into FP32 `main_grad`s as under Megatron's DDP: the FP8 modules' GEMM accumulates into them (with
+    `defer_wgrad`, one flush after the last micro-batch), the BF16 module's `.grad` is added into them after each
+    micro-batch (DDP's hook for weights without fused accumulation). The weights are re-quantized at the step's first
+    micro-batch only (later ones reuse the copies, as Megatron's experts do)."""
+
+    def __init__(self, module, x, sizes, probs, dy, requantize, micro_batches):
+        super().__init__(module, x, sizes, probs, dy, requantize)
+        self.micro_batches = micro_batches
+        self.params = list(module.parameters())
+        for w in self.params:
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        self.deferred = getattr(getattr(module, "linear_fc1", None), "wgrad_deferral", None) is not None
+
+    def reset(self):
+        super().reset()
+        for w in self.params:
+            w.main_grad.zero_()
+
+    def __call__(self):
+        self.reset()
+        for _ in range(self.micro_batches):
+            out, _ = self.module(self.x, self.sizes, self.probs)
+            out.backward(self.dy)
+            for w in self.params:
+                if w.grad is not None:  # the BF16 module's; the FP8 ones' went into main_grad
+                    w.main_grad.add_(w.grad)
+                    w.grad = None
+        if self.deferred:
+            self.module.flush_wgrad()
+        return out
+
+    def results(self):
+        out = self()
+        return [out.detach(), self.x.grad, self.probs.grad] + [w.main_grad for w in self.params]
 
 
 class GraphStep:
@@ -198,24 +237,32 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
 
 
 def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True,
-               keep_transposed_weight=True):
+               keep_transposed_weight=True, micro_batches=1, defer_wgrad=False):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
-    fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight}
+    fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight,
+           "defer_wgrad": defer_wgrad}
     ours = GroupedFP8MLP(G, H, F, "swiglu", **fp8)
     padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, **fp8)
     bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
     padded.load_state_dict(ours.state_dict())
     bf16.load_state_dict(ours.state_dict())
     groups = sizes.to(dev)
-    steps = {name: Step(m, x, groups, probs, dy, requantize) for name, m in zip(METHODS, (ours, padded, bf16))}
+    if micro_batches > 1:  # a step of micro-batches into main_grad (no CUDA graphs: GraphStep captures one pass)
+        steps = {name: AccumulatingStep(m, x, groups, probs, dy, requantize, micro_batches)
+                 for name, m in zip(METHODS, (ours, padded, bf16))}
+        graphs = False
+    else:
+        steps = {name: Step(m, x, groups, probs, dy, requantize) for name, m in zip(METHODS, (ours, padded, bf16))}
 
     padded_rows = int((-(-sizes // 128) * 128).sum())
-    flops = 3 * 2.0 * M * H * (3 * F)  # fc1 (2F outputs) + fc2 (F inputs), each forward, dgrad and wgrad
+    # fc1 (2F outputs) + fc2 (F inputs), each forward, dgrad and wgrad, per micro-batch
+    flops = micro_batches * 3 * 2.0 * M * H * (3 * F)
     row = {"model": model, "G": G, "M": M, "H": H, "F": F, "dist": dist, "seed": seed,
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
            "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
-           "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight}
+           "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight,
+           "micro_batches": micro_batches, "defer_wgrad": defer_wgrad}
 
     times = common.bench_blocks(steps, iters=iters)  # each step timed after its own kind (see bench_blocks)
     for name in METHODS:
@@ -315,11 +362,19 @@ def main():
     ap.add_argument("--transpose-in-backward", action="store_true",
                     help="the FP8 modules keep W's copy only and make W^T's in backward (keep_transposed_weight="
                          "False: the same bits, less held across the step)")
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="a step of this many forward + backward passes, weight gradients accumulated into FP32 "
+                         "main_grads as under Megatron's DDP (no CUDA graphs then)")
+    ap.add_argument("--defer-wgrad", action="store_true",
+                    help="with --micro-batches: the FP8 modules compute their weight gradients once a step "
+                         "(defer_wgrad=True, one flush after the last micro-batch)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                     help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--out", default=None, help="also copy the JSON and PNG here")
     args = ap.parse_args()
+    if args.micro_batches < 1 or (args.defer_wgrad and args.micro_batches < 2):
+        ap.error("--micro-batches must be >= 1, and --defer-wgrad needs >= 2 of them (one step's weight gradients)")
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
@@ -327,7 +382,8 @@ def main():
     for n, (i, (model, G, M, dist)) in enumerate(todo):  # a row keeps its seed when --models leaves others out
         row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
                          weight_layout=args.weight_layout, graphs=not args.no_graphs,
-                         keep_transposed_weight=not args.transpose_in_backward)
+                         keep_transposed_weight=not args.transpose_in_backward, micro_batches=args.micro_batches,
+                         defer_wgrad=args.defer_wgrad)
         rows.append(row)
         print(f"[{n + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
@@ -340,6 +396,8 @@ def main():
         f" --weight-layout {args.weight_layout}" if args.weight_layout != "stacked" else "") + (
         " --no-graphs" if args.no_graphs else "") + (
         " --transpose-in-backward" if args.transpose_in_backward else "") + (
+        f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "") + (
+        " --defer-wgrad" if args.defer_wgrad else "") + (
         f" --models {' '.join(args.models)}" if args.models else "")
     path = common.write_result("mlp_layer", rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
