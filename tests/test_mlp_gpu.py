@@ -108,8 +108,8 @@ def test_recomputed_activation_gives_the_same_bits(g, h, f, t, dist, activation,
 @pytest.mark.parametrize("recompute", [False, True])
 def test_transposing_the_weights_in_backward_gives_the_same_bits_and_holds_less(recompute):
     """`keep_transposed_weight=False`: W^T's FP8 copies made in backward from W's (the same bytes) give every output
-    and gradient bit for bit, and between the forward and the backward the layer holds exactly W^T's copies less
-    (1 byte per weight and their scales)."""
+    and gradient bit for bit, and between the forward and the backward the layer holds W^T's copies less (1 byte per
+    weight and their scales, to the allocator's rounding)."""
     g, h, f = 8, 1024, 512
     torch.manual_seed(0)
     kept = GroupedFP8MLP(g, h, f, device=DEV, recompute_activation=recompute)
@@ -131,7 +131,9 @@ def test_transposing_the_weights_in_backward_gives_the_same_bits_and_holds_less(
 
     weights = g * (2 * f * h + h * f)  # fc1 [G, 2F, H] and fc2 [G, H, F]
     scales = 4 * g * (2 * f // 128 * h // 128 + h // 128 * f // 128)
-    assert held(kept) - held(transposing) == weights + scales
+    # the caching allocator counts a large block whole when what splitting it would leave is <= 1 MiB, so a
+    # delta of allocations is exact only to ~1 MiB per large one (on the H100: 12,585,984 expected, 13,560,832 seen)
+    assert abs(held(kept) - held(transposing) - (weights + scales)) < 2 * 2**20
 
 
 @pytest.mark.parametrize("recompute", [False, True])
