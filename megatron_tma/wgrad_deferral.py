@@ -65,31 +65,35 @@ def _destinations(units: torch.Tensor, widths: Sequence[int]) -> List[torch.Tens
     return out
 
 
-def combine_wgrad_operands(pending: Sequence[PendingWgrad]) -> PendingWgrad:
+def combine_wgrad_operands(pending: List[PendingWgrad]) -> PendingWgrad:
     """One operand pair for the K-grouped GEMM from several backwards' (module docstring): expert g's 128-token
     blocks of every source in source order, the sources' zero tails after all of them, the scales' block rows
-    permuted alike; the groups are sizes [G], each expert's blocks' columns (multiples of 128)."""
-    first = pending[0]
-    g = first.groups.num_groups
+    permuted alike; the groups are sizes [G], each expert's blocks' columns (multiples of 128). Empties `pending`,
+    dropping each source once it is copied, so that the flush holds the combined pair and at most one source's."""
+    g = pending[0].groups.num_groups
     sizes = torch.stack([group_sizes(p.groups.tensor, p.groups.is_offsets).to(torch.int64).clamp(min=0)
                          for p in pending])  # [S, G]
     blocks = (sizes + BLOCK - 1) // BLOCK  # [S, G]
     col_dest = _destinations(blocks * BLOCK, [p.dyt.shape[1] for p in pending])
     row_dest = _destinations(blocks, [p.dyt_s.shape[0] for p in pending])
 
-    def gather(tensors: Sequence[torch.Tensor], dests: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-        shape = list(tensors[0].shape)
-        shape[dim] = sum(t.shape[dim] for t in tensors)
-        byte = tensors[0].dtype.itemsize == 1  # FP8: moved as bytes (index_copy_ on every torch build)
-        out = torch.empty(shape, dtype=torch.uint8 if byte else tensors[0].dtype, device=tensors[0].device)
-        for t, d in zip(tensors, dests):
-            out.index_copy_(dim, d, t.view(torch.uint8) if byte else t)
-        return out.view(tensors[0].dtype) if byte else out
+    def empty(field: int, dim: int) -> torch.Tensor:
+        ref = pending[0][field]
+        shape = list(ref.shape)
+        shape[dim] = sum(p[field].shape[dim] for p in pending)
+        return torch.empty(shape, dtype=torch.uint8 if ref.dtype.itemsize == 1 else ref.dtype, device=ref.device)
 
-    combined_sizes = (blocks * BLOCK).sum(0)
-    return PendingWgrad(gather([p.dyt for p in pending], col_dest, 1), gather([p.dyt_s for p in pending], row_dest, 0),
-                        gather([p.xt for p in pending], col_dest, 1), gather([p.xt_s for p in pending], row_dest, 0),
-                        Groups(combined_sizes, g, False, None))
+    fp8 = pending[0].dyt.dtype
+    out = [empty(0, 1), empty(1, 0), empty(2, 1), empty(3, 0)]  # dyt, dyt_s, xt, xt_s
+    for s in range(len(pending)):
+        source, pending[s] = pending[s], None  # the list's reference goes with the copy: freed once copied
+        for i, (dim, dest) in enumerate(((1, col_dest[s]), (0, row_dest[s]), (1, col_dest[s]), (0, row_dest[s]))):
+            t = source[i]
+            out[i].index_copy_(dim, dest, t.view(torch.uint8) if t.dtype.itemsize == 1 else t)
+        del source, t
+    pending.clear()
+    return PendingWgrad(out[0].view(fp8), out[1], out[2].view(fp8), out[3],
+                        Groups((blocks * BLOCK).sum(0), g, False, None))
 
 
 class WgradDeferral:
@@ -118,4 +122,5 @@ class WgradDeferral:
         if not self.pending:
             raise RuntimeError("no weight gradient is pending: flush after the backward passes that deferred them")
         pending, self.pending = self.pending, []
-        return (pending[0] if len(pending) == 1 else combine_wgrad_operands(pending)), len(pending)
+        count = len(pending)
+        return (pending[0] if count == 1 else combine_wgrad_operands(pending)), count

@@ -32,7 +32,7 @@ def _sources(gen, n=256, k=384):
 
 def test_the_combined_operands_are_the_sources_blocks_in_order(gen):
     sources = _sources(gen)
-    c = combine_wgrad_operands(sources)
+    c = combine_wgrad_operands(list(sources))  # (it empties the list it is given)
     assert c.dyt.shape == (256, sum(p.dyt.shape[1] for p in sources))
     assert c.dyt_s.shape == (sum(p.dyt_s.shape[0] for p in sources), 256)
     start = aligned_token_offsets(c.groups.tensor)
@@ -52,7 +52,7 @@ def test_the_combined_operands_are_the_sources_blocks_in_order(gen):
 
 def test_one_gemm_over_them_is_the_sum_of_the_micro_batches(gen):
     sources = _sources(gen)
-    c = combine_wgrad_operands(sources)
+    c = combine_wgrad_operands(list(sources))  # (it empties the list it is given)
     # (the layer's own call: the public entry also holds the operands' width to the sizes' exact wgrad_pitch, which a
     # combined layout sized on the host, without reading the sizes, exceeds; the kernels need P >= 128 MB only)
     one = run_k_grouped(c.dyt, c.dyt_s, c.xt, c.xt_s, c.groups, backend="reference")
@@ -122,3 +122,20 @@ def test_a_deferral_holds_one_linear(gen):
     d.add(a, (True,))
     with pytest.raises(ValueError, match="must share N, K, G"):
         d.add(PendingWgrad(b.dyt[:128], b.dyt_s[:, :128], b.xt, b.xt_s, b.groups), (True,))
+
+
+def test_the_flush_drops_each_micro_batch_once_copied(gen, monkeypatch):
+    """The flush's peak: the combined pair and at most the micro-batches not yet copied, each dropped after its
+    copy (not every micro-batch's operands beside the combined ones to the end)."""
+    import weakref
+
+    sources = _sources(gen)
+    alive = [weakref.ref(p.dyt) for p in sources]
+    pending, seen = list(sources), []
+    del sources
+    copy = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_",
+                        lambda self, *a: seen.append(sum(r() is not None for r in alive)) or copy(self, *a))
+    combine_wgrad_operands(pending)
+    assert seen == [3] * 4 + [2] * 4 + [1] * 4 and pending == []
+    assert all(r() is None for r in alive)
