@@ -443,6 +443,11 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
     wgrads = [None] * len(weights)
     if need_dw and deferral is not None:
         deferral.add(PendingWgrad(dyt, dyt_s, xt, xt_s, groups), tuple(needs_dw))
+        if deferral.due():  # the step's last backward (Megatron's last micro-batch): every pending one, now
+            item, _ = deferral.take()
+            wgrads = _weight_grads(weights, needs_dw, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
+        elif getattr(weights[0], "main_grad", None) is not None:
+            wgrads = _main_grad_placeholders(weights, needs_dw)  # DDP's hooks see a gradient per micro-batch
     elif need_dw:
         wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
     return dx, wgrads
@@ -493,6 +498,12 @@ def _weight_grads(weights, needs, dyt, dyt_s, xt, xt_s, groups, backend):
     else:  # BF16 main_grads, or FP32 ones that are not one [G, N, K] block: one FP32 result, added once
         dw = wgrad(out_dtype=torch.float32)
         torch._foreach_add_(main, [dw] if len(main) == 1 else list(dw.unbind(0)))
+    return _main_grad_placeholders(weights, needs)
+
+
+def _main_grad_placeholders(weights, needs):
+    """What backward hands autograd for weights whose gradient goes (or went, or will go: deferred) into `main_grad`:
+    for Megatron DDP's weights a dummy, flagged as already added; None for the others."""
     grads = []
     for w, need in zip(weights, needs):
         if hasattr(w, "grad_added_to_main_grad"):  # Megatron's DDP owns this weight

@@ -14,7 +14,7 @@ tokens; the kernel's FP32 chain of 128-token blocks runs on across micro-batches
 being added to `main_grad` on its own, so the bits differ from the undeferred path's (by FP32 rounding), and the
 padded twin, deferred the same way, gives the same bits as the unpadded layer.
 """
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -98,10 +98,13 @@ def combine_wgrad_operands(pending: List[PendingWgrad]) -> PendingWgrad:
 
 class WgradDeferral:
     """A grouped linear's pending weight gradients: `add` keeps one backward's operands, `take` hands back what one
-    GEMM computes (the operands combined when there are several) and forgets them."""
+    GEMM computes (the operands combined when there are several) and forgets them. `is_last` (optional): asked after
+    each backward's `add`; True makes that backward compute every pending gradient itself (Megatron's last
+    micro-batch, whose DDP hooks may start the gradient reduction as soon as the weight's gradient is handed over)."""
 
-    def __init__(self) -> None:
+    def __init__(self, is_last: Optional[Callable[[], bool]] = None) -> None:
         self.pending: List[PendingWgrad] = []
+        self.is_last = is_last
         self.needs: Tuple[bool, ...] = ()  # which weights want a gradient (the backwards' needs_input_grad)
 
     def __len__(self) -> int:
@@ -116,6 +119,9 @@ class WgradDeferral:
                                  "weights want a gradient")
         self.pending.append(item)
         self.needs = needs
+
+    def due(self) -> bool:
+        return self.is_last is not None and bool(self.is_last())
 
     def take(self) -> Tuple[PendingWgrad, int]:
         """(the operands of one GEMM, how many backwards they hold); empties the deferral."""

@@ -910,9 +910,10 @@ def test_moe_act_recompute_is_the_fp8_experts_recompute_activation():
 
 
 def test_deferred_expert_wgrads_are_flushed_before_megatrons_finalize():
-    """defer_expert_wgrads: the experts' backward leaves main_grad alone until Megatron's finalize_model_grads_func
-    runs, which first computes every micro-batch's weight gradient in one GEMM per linear: the twin's bits, within
-    FP32 rounding of the undeferred experts'; refused beside DDP's overlapped reduction or without a finalize."""
+    """defer_expert_wgrads outside Megatron's DDP buckets: the experts' backward leaves main_grad alone until
+    Megatron's finalize_model_grads_func runs, which first computes every micro-batch's weight gradient in one GEMM
+    per linear: the twin's bits, within FP32 rounding of the undeferred experts'; refused without a finalize, and
+    beside an overlapped reduction without DDP's bucket groups to tell the last micro-batch."""
     from megatron_tma import testing as T
 
     calls = []
@@ -946,9 +947,49 @@ def test_deferred_expert_wgrads_are_flushed_before_megatrons_finalize():
         mcore.defer_expert_wgrads([experts], make_config(finalize_model_grads_func=None))
     overlapped = torch.nn.Sequential(experts)
     overlapped.ddp_config = types.SimpleNamespace(overlap_grad_reduce=True)
-    with pytest.raises(ValueError, match="overlap_grad_reduce=False"):
+    with pytest.raises(ValueError, match="with overlap_grad_reduce need Megatron's DDP bucket groups"):
         mcore.defer_expert_wgrads([overlapped], make_config(finalize_model_grads_func=print))
     assert mcore.defer_expert_wgrads([torch.nn.Linear(2, 2)], make_config()) == 0
+
+
+def test_deferred_expert_wgrads_complete_in_megatrons_last_micro_batch():
+    """Under Megatron's DDP (its bucket groups' is_last_microbatch, which no_sync clears): the earlier micro-batches
+    hand DDP's hooks a dummy already marked added and leave main_grad alone; the last one's backward computes every
+    pending gradient before handing its own over, so main_grad is whole when DDP's hook for it runs (an overlapped
+    reduction starts there), with the bits the finalize path gives."""
+    def run(with_buckets):
+        torch.manual_seed(0)
+        config = make_config(finalize_model_grads_func=lambda *a, **k: None)
+        experts = megatron_experts(4, config, mode="unpadded", backend="reference")
+        chunk = torch.nn.Sequential(experts)
+        weights = _ddp_weights(experts)
+        group = types.SimpleNamespace(is_last_microbatch=True)
+        if with_buckets:
+            chunk.param_to_bucket_group = {w: group for w in weights}
+            chunk.ddp_config = types.SimpleNamespace(overlap_grad_reduce=True)
+        mcore.defer_expert_wgrads([chunk], config)
+        seen = []  # (grad handed over, flag, main_grad non-zero) at each weight's hook, as DDP's hook sees them
+        for w in weights:
+            w.register_post_accumulate_grad_hook(
+                lambda p: seen.append((p.grad is not None, p.grad_added_to_main_grad, bool(p.main_grad.any()))))
+        gen = torch.Generator().manual_seed(1)
+        batches = ([40, 0, 31, 9], [1, 130, 0, 64], [7, 7, 7, 7])
+        for i, sizes in enumerate(batches):
+            group.is_last_microbatch = i == len(batches) - 1  # DDP's no_sync around all but the last
+            t = sum(sizes)
+            x = torch.randn(t, 256, generator=gen).bfloat16().requires_grad_()
+            experts(x, torch.tensor(sizes), torch.rand(t, generator=gen))[0].backward(
+                torch.randn(t, 256, generator=gen).bfloat16())
+            for w in weights:
+                w.grad = None
+        config.finalize_model_grads_func([chunk], 1)
+        return seen, [w.main_grad.clone() for w in weights]
+
+    seen, in_backward = run(True)
+    assert seen[:4] == [(True, True, False)] * 4  # micro-batches 1, 2: a dummy, main_grad untouched
+    assert seen[4:] == [(True, True, True)] * 2  # the last: main_grad whole when the hook runs
+    _, at_finalize = run(False)
+    assert all(torch.equal(u, v) for u, v in zip(in_backward, at_finalize))
 
 
 def test_the_transpose_flag_reaches_the_fp8_linears():

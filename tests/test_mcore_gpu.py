@@ -55,15 +55,20 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         _assert_same_bits(plain, path, 2, name)
 
 
-def test_recipe_with_deferred_expert_wgrads(tmp_path):
-    """--defer-expert-wgrad: the experts' weight gradients of 3 micro-batches in one GEMM per linear before
-    Megatron's finalize_model_grads; the twins still train bit for bit, and the run learns."""
-    _, result = recipe(tmp_path, "--steps", "8", "--micro-batches", "3", "--defer-expert-wgrad",
-                       "--modes", "unpadded", "padded16")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_recipe_with_deferred_expert_wgrads(tmp_path, overlap):
+    """--defer-expert-wgrad: the experts' weight gradients of 3 micro-batches in one GEMM per linear in the last
+    micro-batch's backward, with DDP's reduction overlapped or not; the twins still train bit for bit, both ways give
+    the same bits (the same GEMM, only the reduction's timing differs), and the run learns."""
+    args = ("--steps", "8", "--micro-batches", "3", "--defer-expert-wgrad", "--modes", "unpadded", "padded16")
+    path, result = recipe(tmp_path / "a", *args, *(("--overlap-grad-reduce",) if overlap else ()))
     row = result["summary"]["padded16"]
     assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
     losses = [r["loss"] for r in result["rows"] if r["mode"] == "unpadded"]
     assert losses[-1] < losses[0]
+    if overlap:
+        plain, _ = recipe(tmp_path / "b", *args)
+        _assert_same_bits(plain, path, 2, "overlapped")
 
 
 def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):

@@ -157,10 +157,9 @@ def parse_args(argv=None):
                         "main_grad; needs Apex built with its CUDA extensions")
     p.add_argument("--defer-expert-wgrad", action="store_true",
                    help="megatron_tma's FP8 modes compute their weight gradients once a step, over every "
-                        "micro-batch, in one GEMM per expert linear before Megatron's finalize_model_grads "
+                        "micro-batch, in one GEMM per expert linear in the last micro-batch's backward "
                         "(megatron_tma.mcore.defer_expert_wgrads: one pass over main_grad a step instead of one a "
-                        "micro-batch; other FP32 rounding, the twins still bit for bit); not with "
-                        "--overlap-grad-reduce")
+                        "micro-batch; other FP32 rounding, the twins still bit for bit)")
     p.add_argument("--transpose-weights-in-backward", action="store_true",
                    help="megatron_tma's FP8 modes keep each expert weight's FP8 copy only and make W^T's in each "
                         "backward (config.moe_megatron_tma_transpose_weights_in_backward: the same bits, one "
@@ -263,9 +262,6 @@ def parse_args(argv=None):
     if args.dist_ckpt_optim_fully_reshardable and not args.distributed_optimizer:
         p.error("--dist-ckpt-optim-fully-reshardable is a format of the distributed optimizer's checkpoint: add "
                 "--distributed-optimizer")
-    if args.defer_expert_wgrad and args.overlap_grad_reduce:
-        p.error("--defer-expert-wgrad computes the experts' weight gradients after the last micro-batch, and "
-                "--overlap-grad-reduce reduces them during it: pass one of them")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
     refusal = transformer_impl_refusal(args)
