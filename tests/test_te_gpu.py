@@ -7,15 +7,11 @@
 * The recipe with `--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe blockwise`: every mode from
   the same weights, unpadded == padded16 == padded128 bit for bit with TE's FP8 dense layers around them, our
   experts computing TEGroupedMLP's function, Megatron's optimizer on TE's FusedAdam, the experts' share measured."""
-import glob
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _recipe_runs import recipe
 
 from megatron_tma import _ext
 
@@ -24,12 +20,10 @@ from transformer_engine.common.recipe import Float8BlockScaling  # noqa: E402
 
 from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 TE_FP8 = ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
-SMALL = ["--layers", "2", "--hidden", "256", "--heads", "4", "--experts", "8", "--expert-ffn", "256",
-         "--seq-len", "128", "--micro-batch-size", "4", "--lr", "2e-3", "--log-every", "4", "--topk", "4",
-         "--shared-expert-ffn", "256"]
+# on top of _recipe_runs.SMALL (later options win): top-4 and a shared expert (a TE MLP beside the experts)
+TE_SIZE = ["--log-every", "4", "--topk", "4", "--shared-expert-ffn", "256"]
 
 
 def te_fp8_contexts():
@@ -79,14 +73,7 @@ def test_our_experts_compute_the_same_bits_inside_tes_fp8_context(cls, pad_to):
 
 
 def _recipe(tmp_path, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-           os.path.join(ROOT, "recipes", "moe_gpt.py"), *SMALL, "--out", str(tmp_path), *args]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"recipe failed (rc {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
-    (path,) = glob.glob(str(tmp_path / "moe_gpt-*.json"))
-    result = json.load(open(path))
-    assert result["failures"] == []
-    return result
+    return recipe(tmp_path, *TE_SIZE, *args)[1]
 
 
 @pytest.mark.recipe_run

@@ -40,25 +40,27 @@ def import_megatron():
 MEGATRON_PYTHON = (3, 12)  # megatron-core 0.19's requires-python
 
 
-def te_import_error():
-    """The error importing Transformer Engine's PyTorch API raises, or None. Checked before megatron-core is imported
-    (megatron-core picks its TE code paths at import), only for --transformer-impl transformer_engine: TE is an
-    optional extra, never needed by the local spec or the CPU job."""
+def import_error(name):
+    """The error importing the module `name` raises, or None: not installed, or a compiled library that does not load
+    (no GPU driver, a CUDA mismatch, an extension built for another torch)."""
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # not installed, or its library does not load (no GPU driver, a CUDA mismatch)
+        importlib.import_module(name)
+    except Exception as e:  # ImportError, or the OSError / RuntimeError of a library that does not load
         return e
     return None
 
 
+def te_import_error():
+    """Transformer Engine's PyTorch API's import error, or None. Checked before megatron-core is imported
+    (megatron-core picks its TE code paths at import), only for --transformer-impl transformer_engine: TE is an
+    optional extra, never needed by the local spec or the CPU job."""
+    return import_error("transformer_engine.pytorch")
+
+
 def extension_import_error(name):
-    """`Type: first line` of the error importing the module `name`, or None (a compiled extension such as Apex's
-    fused_weight_gradient_mlp_cuda: missing, or built for another torch)."""
-    try:
-        importlib.import_module(name)
-    except Exception as e:  # ImportError, or the OSError / RuntimeError of a library that does not load
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return None
+    """`Type: first line` of `import_error(name)` (Apex's fused_weight_gradient_mlp_cuda, for one line), or None."""
+    e = import_error(name)
+    return None if e is None else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
 def environment():
@@ -66,20 +68,15 @@ def environment():
     optimizer where TE imports and Apex's where only Apex does, so a result says which it ran with."""
     from importlib import metadata
 
-    def version(dist):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
+    def version(*dists):
+        for dist in dists:
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                pass
+        return None
 
     apex = importlib.util.find_spec("apex") is not None
     return {"torch": torch.__version__, "megatron_core": version("megatron-core"),
-            "transformer_engine": version("transformer-engine") or version("transformer_engine")
-            or (te_version() if te_import_error() is None else None),
+            "transformer_engine": version("transformer-engine", "transformer-engine-torch"),
             "apex": apex, "apex_wgrad_fusion": apex and extension_import_error("fused_weight_gradient_mlp_cuda") is None}
-
-
-def te_version():
-    import transformer_engine
-
-    return getattr(transformer_engine, "__version__", "unknown")
