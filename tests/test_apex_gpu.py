@@ -1,7 +1,8 @@
 """The recipe in an Apex environment (issue 56 item 5): megatron-core takes Apex's kernels where Transformer Engine is
-absent, as NGC-style images carry them: its optimizer steps Apex's FusedAdam, the local layer spec's norms are Apex's
-FusedLayerNorm, and `--gradient-accumulation-fusion` adds the dense layers' weight gradients into the FP32 main_grad
-with Apex's `fused_weight_gradient_mlp_cuda`. Every mode in that environment: the twins bit for bit and Megatron's own
+absent, as NGC-style images carry them: its optimizer steps Apex's FusedAdam, the local layer spec's norms are
+megatron-core's FusedLayerNorm on Apex's kernels (LayerNorm only, so the test trains with LayerNorm; an RMSNorm run gets
+torch's RMSNorm there, Megatron-LM #1658), and `--gradient-accumulation-fusion` adds the dense layers' weight gradients
+into the FP32 main_grad with Apex's `fused_weight_gradient_mlp_cuda`. Every mode in that environment: the twins bit for bit and Megatron's own
 experts beside ours; the resume there is test_mcore_gpu's resume test (its `-apex` variants).
 
 Skipped without Apex's compiled extensions (on the GPU machine: ../shared/device/apex/build_apex.sh builds the ones
@@ -25,7 +26,8 @@ pytestmark = [
 
 def test_recipe_trains_every_mode_with_apex(tmp_path):
     steps = 12
-    _, result = recipe(tmp_path, "--steps", str(steps), "--log-every", "4", *APEX_FUSION)
+    _, result = recipe(tmp_path, "--steps", str(steps), "--log-every", "4", "--normalization", "LayerNorm",
+                       *APEX_FUSION)
     summary, records = result["summary"], result["records"]
     assert set(summary) == {"unpadded", "padded16", "padded128", "bf16", "megatron"}
     assert result["environment"]["apex"] and result["environment"]["apex_wgrad_fusion"], result["environment"]
@@ -38,8 +40,10 @@ def test_recipe_trains_every_mode_with_apex(tmp_path):
     assert 0 <= diffs["bf16"] < 1e-4 and 0 < diffs["unpadded"] < 3e-3, diffs
     expected = "transformer_engine" if HAVE_TE else "apex.optimizers"  # megatron-core prefers TE's FusedAdam
     for mode, record in records.items():
-        # the local spec's layer norms are Apex's wherever Apex imports (megatron-core's LNImpl)
-        assert any(c.startswith("apex.normalization") for c in record["norm_classes"]), (mode, record["norm_classes"])
+        # the local spec's LayerNorms are megatron-core's FusedLayerNorm (Apex's kernels) wherever Apex imports (its LNImpl)
+        norms = record["norm_classes"]
+        assert "megatron.core.fusions.fused_layer_norm.FusedLayerNorm" in norms, (mode, norms)
+        assert not any(c.startswith("torch.") for c in norms), (mode, norms)
         assert record["optimizer_class"].startswith(expected) and "FusedAdam" in record["optimizer_class"], record
     losses = [r["loss"] for r in result["rows"] if r["mode"] == "unpadded"]
     assert len(losses) == steps and summary["unpadded"]["final_window_mean_loss"] < losses[0]
