@@ -40,6 +40,11 @@ alive at a time instead of every layer's across the step, for a 1-byte-per-weigh
 the gradient, and `flush_wgrad()` computes all pending ones in one K-grouped GEMM per linear (megatron_tma.
 wgrad_deferral): with gradient accumulation, one pass over the FP32 `main_grad` a step instead of one a micro-batch.
 
+`step_refreshed_weights=True` keeps the FP8 weight copies in fixed buffers that a kernel refreshes on the device only
+after an optimizer step (megatron_tma.weight_refresh): a CUDA graph of the layer then replays micro-batches 2..N of a
+step without the weight pass, and a replay after a step re-quantizes, with no host check at replay. Run one eager
+forward before capturing (the buffers are made there).
+
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
@@ -59,7 +64,7 @@ a `main_grad` get their gradient accumulated there.
 """
 import functools
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -73,6 +78,7 @@ from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 from .permutation import Permutation, check_permutation, combine_rows, gather_rows
+from .weight_refresh import StepRefreshedWeights
 from .wgrad_deferral import WgradDeferral
 
 __all__ = ["ACTIVATIONS", "GroupedFP8MLP", "GroupedBF16MLP", "GroupedFP8Linear", "GroupedBF16Linear",
@@ -258,7 +264,8 @@ class GroupedFP8Linear(_GroupedWeights):
 
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
                  weight_layout: str = "stacked", device=None, init_method=None,
-                 keep_transposed_weight: bool = True, defer_wgrad: bool = False):
+                 keep_transposed_weight: bool = True, defer_wgrad: bool = False,
+                 step_refreshed_weights: bool = False):
         # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
         # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
         check_num_experts(num_groups, "num_groups")
@@ -275,6 +282,7 @@ class GroupedFP8Linear(_GroupedWeights):
         _ext.check_backend(backend)
         check_bool(keep_transposed_weight, "keep_transposed_weight")
         check_bool(defer_wgrad, "defer_wgrad")
+        check_bool(step_refreshed_weights, "step_refreshed_weights")
         self.backend, self.pow2_scales = backend, pow2_scales
         # True: backward keeps the weight gradient's FP8 operands and flush_wgrad() computes all of them in one GEMM
         # (megatron_tma.wgrad_deferral: one pass over main_grad a step instead of one a micro-batch)
@@ -282,19 +290,25 @@ class GroupedFP8Linear(_GroupedWeights):
         # False: the cache holds W's FP8 copy only, and backward makes W^T's from it (the same bits): one layer's
         # W^T at a time instead of every layer's from the forward to the backward (fp8_grouped_linear)
         self.keep_transposed_weight = keep_transposed_weight
-        self.weight_cache = FP8WeightCache()
+        # StepRefreshedWeights: fixed buffers, refreshed by a kernel that skips unless an optimizer step came since
+        self.step_refreshed_weights = step_refreshed_weights
+        self.weight_cache = self._new_cache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
         # Under CUDA-graph capture the forward quantizes the weights inside the graph, so that every replay reads
         # FP8 copies of the weights as they are then (an optimizer updates them in place; the cache's host-side
         # checks do not run at replay). True makes a capture read the cached copies instead: right only for a graph
-        # replayed while the weights do not change (later micro-batches of one step).
+        # replayed while the weights do not change (later micro-batches of one step). With step_refreshed_weights the
+        # graph decides on the device instead, and this flag is not read.
         self.graph_reuses_cached_weights = False
+
+    def _new_cache(self):
+        return StepRefreshedWeights() if self.step_refreshed_weights else FP8WeightCache()
 
     def _replicate_for_data_parallel(self):
         # nn.DataParallel's replicas are shallow copies of this module (its __dict__ copied): each gets a cache of
         # its own, since it holds its device's copies of the weights and runs in a thread of its own.
         replica = super()._replicate_for_data_parallel()
-        replica.weight_cache = FP8WeightCache()
+        replica.weight_cache = self._new_cache()
         if self.wgrad_deferral is not None:
             replica.wgrad_deferral = WgradDeferral()
         return replica
@@ -306,9 +320,16 @@ class GroupedFP8Linear(_GroupedWeights):
             raise RuntimeError("flush_wgrad: this linear computes its weight gradients in backward (defer_wgrad=False)")
         return flush_wgrad(self.wgrad_deferral, self.weights, self.backend)
 
-    def _cache(self) -> Optional[FP8WeightCache]:
+    def _cache(self) -> Optional[Union[FP8WeightCache, StepRefreshedWeights]]:
         if torch.compiler.is_compiling():  # no cache in a compiled graph (autograd.quantized_weights says why)
             return None
+        if self.step_refreshed_weights:
+            # Megatron's flag, eagerly: weights may have been written outside an optimizer step (a checkpoint load).
+            # Under capture the device counter decides, at every replay.
+            if self.is_first_microbatch and not capturing():
+                self.weight_cache.invalidate()
+            self.is_first_microbatch = False
+            return self.weight_cache
         if self.is_first_microbatch or (not self.graph_reuses_cached_weights and capturing()):
             self.weight_cache.invalidate()
             self.is_first_microbatch = False
@@ -424,7 +445,8 @@ class GroupedFP8MLP(_GroupedMLP):
                  pad_to: Optional[int] = None, backend: str = "auto", pow2_scales: bool = False, *,
                  weight_layout: str = "stacked", device=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False,
-                 keep_transposed_weight: bool = True, defer_wgrad: bool = False):
+                 keep_transposed_weight: bool = True, defer_wgrad: bool = False,
+                 step_refreshed_weights: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
@@ -437,7 +459,8 @@ class GroupedFP8MLP(_GroupedMLP):
             )
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
                                    weight_layout=weight_layout, device=device, init_method=init_method,
-                                   keep_transposed_weight=keep_transposed_weight, defer_wgrad=defer_wgrad)
+                                   keep_transposed_weight=keep_transposed_weight, defer_wgrad=defer_wgrad,
+                                   step_refreshed_weights=step_refreshed_weights)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")

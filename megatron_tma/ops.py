@@ -38,9 +38,13 @@ _REFERENCE: Dict[str, Callable] = {}  # name -> its CPU kernel
 def _define(schema: str, cpu: Callable, fake: Callable) -> None:
     name = schema[: schema.index("(")]
     _LIB.define(schema)
-    _LIB.impl(name, cpu, "CPU")
+    # The reference kernels read the group sizes on the host: eager code, never traced. Disabled for dynamo, so that
+    # a compiled region's eager fallback (after a graph break) runs them as plain Python (torch 2.11's dynamo failed
+    # converting a frame under `host_group_sizes` there: tests/test_autograd.py::test_torch_compile_forward).
+    cpu_kernel = torch.compiler.disable(cpu)
+    _LIB.impl(name, cpu_kernel, "CPU")
     if not _ext.has_extension():
-        _LIB.impl(name, cpu, "CUDA")
+        _LIB.impl(name, cpu_kernel, "CUDA")
     torch.library.register_fake(f"megatron_tma::{name}", fake, lib=_LIB)
     _OPS[name] = getattr(torch.ops.megatron_tma, name).default  # the overload: no attribute chain per call
     _REFERENCE[name] = cpu
@@ -90,6 +94,10 @@ def _fake_quantize_128x128(w, pow2=False):
     )
 
 
+def _fake_transpose_128x128(q, s):
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1])), s.new_empty((s.shape[0], s.shape[2], s.shape[1]))
+
+
 def _fake_quantize_grouped_128x1(x, groups, num_groups, pow2=False):
     m, k = x.shape
     qt = x.new_empty((k, wgrad_pitch(m, num_groups)), dtype=FP8)  # contiguous [K, P]
@@ -105,13 +113,14 @@ def _fake_gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, p
     return _fake_quantize_1x128_and_grouped_128x1(gathered, groups, num_groups)
 
 
-def _quantize_128x128(w, pow2=False):
-    q, s, qt, st = R.quantize_128x128(w, pow2)
-    if st.untyped_storage().data_ptr() == s.untyped_storage().data_ptr():
-        # one scale block per row or per column: the reference's st is a view of s, and an op's outputs must not
-        # alias one another (torch.library's rule for what torch.compile may assume)
-        st = st.clone()
-    return q, s, qt, st
+def _quantize_128x128_refresh(w, pow2, q, s, qt, st, version, done):
+    if int(version) == int(done):  # (a host read: free on the CPU; the CUDA kernel decides on the device)
+        return
+    for out, new in zip((q, s, qt, st), R.quantize_128x128(w, pow2)):
+        if out is not None:
+            bits = torch.uint8 if out.dtype == FP8 else out.dtype  # (byte copies on every torch build)
+            out.view(bits).copy_(new.view(bits))
+    done.copy_(version)
 
 
 def _quantize_grouped_128x1(x, groups, num_groups, pow2=False):
@@ -127,8 +136,11 @@ def _gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, pow2=F
 
 
 _define("quantize_1x128(Tensor x, bool pow2=False) -> (Tensor, Tensor)", R.quantize_1x128, _fake_quantize_1x128)
-_define("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)", _quantize_128x128,
+_define("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)", R.quantize_128x128,
         _fake_quantize_128x128)
+_define("transpose_128x128(Tensor q, Tensor s) -> (Tensor, Tensor)", R.transpose_128x128, _fake_transpose_128x128)
+_define("quantize_128x128_refresh(Tensor w, bool pow2, Tensor(a!) q, Tensor(b!) s, Tensor(c!)? qt, Tensor(d!)? st, "
+        "Tensor version, Tensor(e!) done) -> ()", _quantize_128x128_refresh, lambda *args: None)
 _define("quantize_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) -> (Tensor, Tensor)",
         _quantize_grouped_128x1, _fake_quantize_grouped_128x1)
 _define("quantize_1x128_and_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) "

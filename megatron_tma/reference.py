@@ -192,11 +192,20 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False):
     q, s = _quantize_blocks(wp.view(G, nb, BLOCK, kb, BLOCK), (2, 4), pow2)
     q = q.view(G, nb * BLOCK, kb * BLOCK)[:, :N, :K].contiguous()
     s = s.view(G, nb, kb).contiguous()
-    qt = q.view(torch.uint8).transpose(-1, -2).contiguous().view(FP8)
-    st = s.transpose(-1, -2).contiguous()
+    qt, st = transpose_128x128(q, s)
     if squeeze:
         q, s, qt, st = q[0], s[0], qt[0], st[0]
     return q, s, qt, st
+
+
+def transpose_128x128(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """W^T's copy from W's: (q [.., N, K], s [.., N/128, K/128]) -> (qt [.., K, N], st [.., K/128, N/128]), contiguous.
+    With one scale per 128x128 block the quantized transpose is the transposed bytes and scales. Always copies (a
+    transposed [.., 1, n] is already contiguous), so neither output is a view of an input."""
+    def copy(t):
+        return t.transpose(-1, -2).clone(memory_format=torch.contiguous_format)
+
+    return copy(q.view(torch.uint8)).view(FP8), copy(s)
 
 
 def quantize_grouped_128x1(

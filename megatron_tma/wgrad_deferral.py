@@ -51,7 +51,9 @@ def _destinations(units: torch.Tensor, widths: Sequence[int]) -> List[torch.Tens
     group_start = _exclusive_cumsum(per_group, 0)  # [G]
     seg_start = group_start.unsqueeze(0) + _exclusive_cumsum(units, 0)  # [S, G]: source s's segment of group g
     used = units.sum(1)  # [S]
-    tails = torch.tensor(widths, dtype=torch.int64, device=units.device) - used
+    # widths - used, the widths added as Python scalars: torch.tensor(widths, device=...) would be a pageable host copy,
+    # which waits for the stream (a sync per flush: measured, the flush's host time then grew to the GPU's)
+    tails = torch.stack([widths[s] - used[s] for s in range(num_sources)])
     tail_start = per_group.sum() + _exclusive_cumsum(tails, 0)  # [S]
     out = []
     for s in range(num_sources):

@@ -1007,6 +1007,41 @@ def test_the_transpose_flag_reaches_the_fp8_linears():
         megatron_experts(4, config, backend="reference")
 
 
+def test_the_refresh_flag_gives_step_refreshed_weights_with_the_same_bits(gen):
+    """config.moe_megatron_tma_step_refreshed_weights (unset: False) -> both FP8 linears keep their copies in
+    StepRefreshedWeights; a forward + backward, an optimizer step and another give the default experts' bits."""
+    from megatron_tma.weight_refresh import StepRefreshedWeights
+
+    config = make_config()
+    plain = megatron_experts(4, config, backend="reference")
+    with torch.no_grad():
+        for w in plain.parameters():
+            w.normal_(0.0, 0.05, generator=gen)
+    setattr(config, mcore.REFRESH_FLAG, True)
+    refreshed = megatron_experts(4, config, backend="reference")
+    assert isinstance(refreshed.linear_fc1.weight_cache, StepRefreshedWeights)
+    assert isinstance(refreshed.linear_fc2.weight_cache, StepRefreshedWeights)
+    refreshed.load_state_dict(plain.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, refreshed)]
+    h = config.hidden_size
+    sizes = torch.tensor([30, 0, 50, 20])
+    for _ in range(2):
+        x = torch.randn(100, h, generator=gen).bfloat16()
+        probs, dy = torch.rand(100, generator=gen), torch.randn(100, h, generator=gen).bfloat16()
+        outs = []
+        for m, opt in zip((plain, refreshed), opts):
+            opt.zero_grad()
+            xi = x.clone().requires_grad_()
+            out, _ = m(xi, sizes, probs)
+            out.backward(dy)
+            opt.step()
+            outs.append([out, xi.grad] + [w.clone() for w in m.parameters()])
+        assert all(torch.equal(u, v) for u, v in zip(*outs))
+    setattr(config, mcore.REFRESH_FLAG, "yes")
+    with pytest.raises(TypeError, match="moe_megatron_tma_step_refreshed_weights must be a bool"):
+        megatron_experts(4, config, backend="reference")
+
+
 @pytest.mark.skipif(not __import__("megatron_tma")._ext.cuda_kernels_available(),
                     reason="needs an sm_90 GPU and the built extension")
 def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():

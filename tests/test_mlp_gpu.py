@@ -290,6 +290,30 @@ def test_no_host_sync(pad_to, recompute):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_deferred_weight_gradients_never_sync():
+    """Three deferred micro-batches and the flush (the operands combined on the device, one GEMM per linear) under
+    sync-debug "error": no host read and no pageable copy that would wait for the stream."""
+    module = GroupedFP8MLP(8, 512, 256, device=DEV, defer_wgrad=True)
+    for w in module.parameters():
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEV)
+    batches = [_inputs(make_group_sizes(900 + 300 * i, 8, "with_empty", seed=40 + i), 512, seed=50 + i)
+               for i in range(3)]
+
+    def step():
+        for x, sizes, probs, dy in batches:
+            out, _ = module(x.clone().requires_grad_(), sizes, probs.clone().requires_grad_())
+            out.backward(dy)
+        return module.flush_wgrad()
+
+    step()  # warm-up: first-call allocations, the weight cache
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert step() == 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("pad_to,recompute", [(None, False), (16, False), (None, True)])
 def test_no_tokens_forward_and_backward(pad_to, recompute):
     """A layer whose experts receive no token (an expert-parallel rank in a skewed step): empty output and input

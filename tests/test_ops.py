@@ -15,6 +15,7 @@ def _cases():
     x = torch.randn(200, 256, generator=gen).bfloat16()
     sizes = torch.tensor([100, 0, 100])
     aq, a_s = R.quantize_1x128(x)
+    w = torch.randn(3, 144, 272, generator=gen).bfloat16()
     b, bs, _, _ = R.quantize_128x128((torch.randn(3, 128, 256, generator=gen) * 0.05).bfloat16())
     xt, xts = R.quantize_grouped_128x1(x, sizes)
     dy = torch.randn(200, 128, generator=gen).bfloat16()
@@ -25,6 +26,8 @@ def _cases():
     return {
         "quantize_1x128": (x, False),
         "quantize_128x128": ((torch.randn(3, 144, 272, generator=gen)).bfloat16(), True),
+        "transpose_128x128": (b, bs),
+        "quantize_128x128_refresh": (w, True, *R.quantize_128x128(w, True), torch.tensor(3), torch.tensor(-1)),
         "quantize_grouped_128x1": (x, sizes, 3, False),
         "quantize_1x128_and_grouped_128x1": (x, torch.tensor([0, 100, 100, 200]), 3, True),
         "gather_quantize_1x128_and_grouped_128x1": (x, rows, sizes, 3, False),
@@ -44,7 +47,8 @@ CASES = _cases()
 # opcheck's schema test runs the op under a mode that multiplies its inputs, which ATen's CPU kernels refuse for
 # float8_e4m3fn: those ops take the other three tests (their `out` mutation is still declared, and functionalized by
 # the AOT test).
-FP8_INPUTS = {"m_grouped_fp8_gemm_out", "k_grouped_fp8_gemm_out", "pad_rows_fp8"}
+FP8_INPUTS = {"m_grouped_fp8_gemm_out", "k_grouped_fp8_gemm_out", "pad_rows_fp8", "transpose_128x128",
+              "quantize_128x128_refresh"}
 
 
 def test_every_op_is_covered_here():

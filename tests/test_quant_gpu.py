@@ -125,6 +125,64 @@ def test_128x128_matches_reference(gen, dtype, pow2, shape):
         (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(o, r)
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 16), (2, 144, 272), (3, 400, 128), (5, 256, 1040), (7, 2048, 768),
+                                   (1000, 32, 48)])
+def test_transpose_128x128_is_the_quantizers_transposed_copy(gen, shape):
+    """W^T's copy made from W's by the transpose kernel (keep_transposed_weight=False's backward): the bytes and scales
+    quantize_128x128 writes as qt and st, every one of them (outputs poisoned), partial tiles and many small groups
+    (more tiles than the persistent grid holds) included; and the reference's."""
+    from megatron_tma.autograd import transposed_weights
+
+    g, n, k = shape
+    w = special_rows(g * n, k, gen, torch.bfloat16).view(g, n, k)
+    q, s, qt, st = quantize_128x128(w, backend="cuda")
+    poison_allocations(g * k * n, s.numel() * 4)
+    qt2, st2 = transposed_weights(q, s)
+    assert_fp8_equal(qt2, qt)
+    assert_scales_equal(st2, st)
+    ref_qt, ref_st = R.transpose_128x128(q, s)
+    assert_fp8_equal(qt2, ref_qt)
+    assert_scales_equal(st2, ref_st)
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["with_wt", "w_only"])
+@pytest.mark.parametrize("shape", [(2, 144, 272), (5, 256, 1040), (1000, 32, 48)])
+def test_128x128_refresh_writes_or_skips_on_the_device(gen, shape, transposed):
+    """quantize_128x128_refresh (megatron_tma.weight_refresh): with done != version the quantizer's bytes in the given
+    buffers (W's copy only when qt/st are None) and done = version; with done == version nothing is written."""
+    refresh = torch.ops.megatron_tma.quantize_128x128_refresh
+    g, n, k = shape
+    w = special_rows(g * n, k, gen, torch.bfloat16).view(g, n, k)
+    ref = quantize_128x128(w, backend="cuda")
+    bufs = [torch.full_like(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t, 0x7F).view(t.dtype)
+            for t in ref]
+    if not transposed:
+        bufs[2] = bufs[3] = None
+    version = torch.tensor(5, device=DEV)
+    done = torch.tensor(5, device=DEV)
+    refresh(w, False, *bufs, version, done)  # equal: a launch that exits
+    assert all(torch.equal(b.view(torch.uint8), torch.full_like(b.view(torch.uint8), 0x7F))
+               for b in bufs if b is not None and b.dtype == torch.float8_e4m3fn)
+    done.fill_(-1)
+    refresh(w, False, *bufs, version, done)
+    assert int(done) == 5
+    for b, r in zip(bufs, ref):
+        if b is not None:
+            (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(b, r)
+
+
+def test_transpose_128x128_refuses_what_it_cannot_read():
+    op = torch.ops.megatron_tma.transpose_128x128
+    q = torch.zeros(2, 32, 48, dtype=torch.float8_e4m3fn, device=DEV)
+    s = torch.ones(2, 1, 1, device=DEV)
+    with pytest.raises(ValueError, match=r"s must be a contiguous \[G, ceil\(N/128\), ceil\(K/128\)\]"):
+        op(q, s[:, :, :0])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        op(torch.zeros(2, 24, 48, dtype=torch.float8_e4m3fn, device=DEV), s)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        op(q.view(torch.uint8), s)
+
+
 def test_128x128_two_dimensional_weight(gen):
     w = special_rows(272, 400, gen, torch.bfloat16)
     for o, r in zip(quantize_128x128(w, backend="cuda"), R.quantize_128x128(w)):

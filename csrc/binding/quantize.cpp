@@ -69,6 +69,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128(cons
   return {q, s, qt, st};
 }
 
+void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+                  const at::Tensor& w) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == w.device() && t.is_contiguous() && t.sizes() == shape, name,
+                    " must be a contiguous ", shape, " tensor on ", w.device(), ", got ", t.sizes(), " on ", t.device());
+  TORCH_CHECK_VALUE(dtype != at::kFloat8_e4m3fn || t.numel() == 0 || aligned16(t), name, " must be 16-byte aligned");
+}
+
+// quantize_128x128 into the caller's buffers unless `done` already equals `version` (decided on the device; then
+// done = version): the FP8 weight copies a CUDA graph holds, refreshed on replay only after an optimizer step.
+void quantize_128x128_refresh(const at::Tensor& w, bool pow2, const at::Tensor& q, const at::Tensor& s,
+                              const std::optional<at::Tensor>& qt, const std::optional<at::Tensor>& st,
+                              const at::Tensor& version, const at::Tensor& done) {
+  const QuantInput in = check_input(w, "w", 3);
+  const int64_t G = w.size(0), N = w.size(1), K = w.size(2);
+  TORCH_CHECK_VALUE(N % 16 == 0, "N (dim 1 of w) must be a multiple of 16, got ", N);
+  TORCH_CHECK_VALUE(qt.has_value() == st.has_value(), "qt and st are given together or not at all");
+  check_buffer(q, "q", at::kFloat8_e4m3fn, {G, N, K}, w);
+  check_buffer(s, "s", at::kFloat, {G, cdiv(N, 128), cdiv(K, 128)}, w);
+  if (qt.has_value()) {
+    check_buffer(*qt, "qt", at::kFloat8_e4m3fn, {G, K, N}, w);
+    check_buffer(*st, "st", at::kFloat, {G, cdiv(K, 128), cdiv(N, 128)}, w);
+  }
+  check_buffer(version, "version", at::kLong, {}, w);
+  check_buffer(done, "done", at::kLong, {}, w);
+  c10::cuda::CUDAGuard guard(w.device());
+  check_launch(megatron_tma::quantize_128x128_refresh(
+                   w.data_ptr(), in, G, N, K, pow2, q.data_ptr(), s.data_ptr<float>(),
+                   qt.has_value() ? qt->data_ptr() : nullptr, st.has_value() ? st->data_ptr<float>() : nullptr,
+                   version.data_ptr<int64_t>(), done.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream()),
+               "quantize_128x128_refresh");
+}
+
+// (qt [G, K, N] e4m3, st [G, ceil(K/128), ceil(N/128)] fp32) from quantize_128x128's (q, s): its qt and st bytes.
+std::tuple<at::Tensor, at::Tensor> transpose_128x128(const at::Tensor& q, const at::Tensor& s) {
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kFloat8_e4m3fn, "q must have dtype float8_e4m3fn, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous 3-D CUDA tensor, got ",
+                    q.sizes(), " on ", q.device());
+  const int64_t G = q.size(0), N = q.size(1), K = q.size(2);
+  TORCH_CHECK_VALUE(N % 16 == 0 && K % 16 == 0, "N and K (dims 1, 2 of q) must be multiples of 16, got ", N, ", ", K);
+  TORCH_CHECK_VALUE(q.numel() == 0 || aligned16(q), "q must be 16-byte aligned");
+  TORCH_CHECK_TYPE(s.scalar_type() == at::kFloat, "s must have dtype float32, got ", s.scalar_type());
+  TORCH_CHECK_VALUE(s.device() == q.device() && s.is_contiguous() &&
+                        s.sizes() == at::IntArrayRef({G, cdiv(N, 128), cdiv(K, 128)}),
+                    "s must be a contiguous [G, ceil(N/128), ceil(K/128)] = [", G, ", ", cdiv(N, 128), ", ",
+                    cdiv(K, 128), "] tensor on ", q.device(), ", got ", s.sizes(), " on ", s.device());
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor qt = at::empty({G, K, N}, q.options());
+  at::Tensor st = at::empty({G, cdiv(K, 128), cdiv(N, 128)}, s.options());
+  check_launch(megatron_tma::transpose_128x128(q.data_ptr(), s.data_ptr<float>(), G, N, K, qt.data_ptr(),
+                                               st.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
+               "transpose_128x128");
+  return {qt, st};
+}
+
 megatron_tma::GroupsArg check_groups(const at::Tensor& groups, int64_t num_groups, const at::Tensor& x) {
   TORCH_CHECK_VALUE(num_groups >= 1 && num_groups <= megatron_tma::kQuantizeGroupedMaxGroups,
                     "the number of groups must be in [1, ", megatron_tma::kQuantizeGroupedMaxGroups, "], got ",
@@ -156,6 +211,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_quantize_1x128
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
   m.impl("quantize_1x128", &quantize_1x128);
   m.impl("quantize_128x128", &quantize_128x128);
+  m.impl("transpose_128x128", &transpose_128x128);
+  m.impl("quantize_128x128_refresh", &quantize_128x128_refresh);
   m.impl("quantize_grouped_128x1", &quantize_grouped_128x1);
   m.impl("quantize_1x128_and_grouped_128x1", &quantize_1x128_and_grouped_128x1);
   m.impl("gather_quantize_1x128_and_grouped_128x1", &gather_quantize_1x128_and_grouped_128x1);

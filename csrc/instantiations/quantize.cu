@@ -1,4 +1,5 @@
-// Host launchers and instances of the FP8 block quantizers (kernels/quantize_{1x128,128x128,grouped_128x1}.cuh): every kernel for
+// Host launchers and instances of the FP8 block quantizers (kernels/quantize_{1x128,128x128,grouped_128x1}.cuh, and
+// kernels/transpose_128x128.cuh, the weight copy's transpose): every quantizer for
 // {bf16, fp16} inputs and {FP32, pow2} scales, picked at run time; the grouped kernel also fused with 1x128.
 #include <climits>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include "megatron_tma/kernels/quantize_128x128.cuh"
 #include "megatron_tma/kernels/quantize_1x128.cuh"
 #include "megatron_tma/kernels/quantize_grouped_128x1.cuh"
+#include "megatron_tma/kernels/transpose_128x128.cuh"
 
 namespace megatron_tma {
 namespace {
@@ -84,13 +86,15 @@ cudaError_t quantize_1x128(const void* x, QuantInput in, int64_t m, int64_t k, b
   return cudaGetLastError();
 }
 
-cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
-                             float* s, void* qt, float* st, cudaStream_t stream) {
+namespace {
+
+cudaError_t launch_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q, float* s,
+                           void* qt, float* st, const int64_t* version, const int64_t* done, cudaStream_t stream) {
   if (!input_ok(in) || g < 0 || g > INT_MAX || n < 0 || n > INT_MAX || n % 16 != 0 || k < 0 || k > INT_MAX ||
       k % 16 != 0)
     return cudaErrorInvalidValue;
   if (g == 0 || n == 0 || k == 0) return cudaSuccess;
-  if (!aligned16(w) || !aligned16(q) || !aligned16(qt)) return cudaErrorInvalidValue;
+  if (!aligned16(w) || !aligned16(q) || (qt != nullptr && !aligned16(qt))) return cudaErrorInvalidValue;
 
   Quantize128x128Params p;
   p.w = w;
@@ -101,11 +105,54 @@ cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n,
   p.g = static_cast<int>(g);
   p.n = static_cast<int>(n);
   p.k = static_cast<int>(k);
+  p.version = version;
+  p.done = done;
   const auto kernel = pick<K128x128>(in, pow2);
   int grid = 0;
   const cudaError_t err = persistent_grid(kernel, k128x128CtasPerSm, 0, g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
   if (err != cudaSuccess) return err;
   kernel<<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
+                             float* s, void* qt, float* st, cudaStream_t stream) {
+  if (qt == nullptr || st == nullptr) return cudaErrorInvalidValue;
+  return launch_128x128(w, in, g, n, k, pow2, q, s, qt, st, nullptr, nullptr, stream);
+}
+
+cudaError_t quantize_128x128_refresh(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
+                                     float* s, void* qt, float* st, const int64_t* version, int64_t* done,
+                                     cudaStream_t stream) {
+  if (version == nullptr || done == nullptr || (qt == nullptr) != (st == nullptr)) return cudaErrorInvalidValue;
+  cudaError_t err = launch_128x128(w, in, g, n, k, pow2, q, s, qt, st, version, done, stream);
+  if (err != cudaSuccess) return err;
+  // after the kernel, in stream order: the outputs now hold step *version (a device-to-device copy: capturable)
+  return cudaMemcpyAsync(done, version, sizeof(int64_t), cudaMemcpyDeviceToDevice, stream);
+}
+
+cudaError_t transpose_128x128(const void* q, const float* s, int64_t g, int64_t n, int64_t k, void* qt, float* st,
+                              cudaStream_t stream) {
+  if (g < 0 || g > INT_MAX || n < 0 || n > INT_MAX || n % 16 != 0 || k < 0 || k > INT_MAX || k % 16 != 0)
+    return cudaErrorInvalidValue;
+  if (g == 0 || n == 0 || k == 0) return cudaSuccess;
+  if (!aligned16(q) || !aligned16(qt)) return cudaErrorInvalidValue;
+
+  Transpose128x128Params p;
+  p.q = static_cast<const uint8_t*>(q);
+  p.s = s;
+  p.qt = static_cast<uint8_t*>(qt);
+  p.st = st;
+  p.g = static_cast<int>(g);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  int grid = 0;
+  const cudaError_t err = persistent_grid(transpose_128x128_kernel, kTranspose128x128CtasPerSm, 0,
+                                          g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
+  if (err != cudaSuccess) return err;
+  transpose_128x128_kernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CONFIG_FLAG", "TRANSPOSE_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
+__all__ = ["CONFIG_FLAG", "TRANSPOSE_FLAG", "REFRESH_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
 
 # The experts a Megatron layer spec can be given (megatron_tma.mcore.spec): the unpadded FP8 MLP, its padded twin
 # (every expert's tokens padded to 16 or 128 rows, the same FP8 Functions: the bit-exactness oracle), and the same
@@ -21,6 +21,10 @@ CONFIG_FLAG = "moe_megatron_tma_experts"
 # A TransformerConfig attribute, bool (unset: False): the FP8 experts keep W's FP8 copy only and make W^T's in each
 # backward (megatron_tma.mlp's keep_transposed_weight=False: the same bits, one layer's W^T alive at a time).
 TRANSPOSE_FLAG = "moe_megatron_tma_transpose_weights_in_backward"
+# A TransformerConfig attribute, bool (unset: False): the FP8 experts keep their weight copies in fixed buffers that a
+# kernel refreshes on the device after each optimizer step (megatron_tma.mlp's step_refreshed_weights=True): what
+# lets a CUDA graph of the MoE layer replay micro-batches 2..N of a step without the weight pass.
+REFRESH_FLAG = "moe_megatron_tma_step_refreshed_weights"
 
 
 class ExpertMLPArgs(NamedTuple):

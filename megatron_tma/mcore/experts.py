@@ -63,8 +63,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import check_backend, warn_if_reference_on_gpu
 from ..activation import GATED
-from ..mlp import GroupedBF16MLP, GroupedFP8MLP
-from .config import TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
+from ..mlp import GroupedBF16MLP, GroupedFP8MLP, capturing
+from .config import REFRESH_FLAG, TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
 
@@ -272,12 +272,14 @@ class MegatronFP8Experts(_MegatronExperts, GroupedFP8MLP):
         # pipeline's warm-up micro-batches, a recompute in backward -- keep them: re-making them there would also
         # keep one more FP8 copy of the weights alive per micro-batch in flight (each holds its W^T for dgrad).
         # Under CUDA-graph capture (Megatron's cuda_graph_impl) the linears quantize inside the graph themselves
-        # (GroupedFP8Linear.graph_reuses_cached_weights): these host checks do not run at replay.
+        # (GroupedFP8Linear.graph_reuses_cached_weights), or with step-refreshed weights a kernel decides at each
+        # replay whether a step came (megatron_tma.weight_refresh): these host checks do not run at replay, and an
+        # invalidation captured here would re-quantize at every replay.
         stepped = self._steps_seen != _optimizer_steps
         self._steps_seen = _optimizer_steps
         reset = self._backward_since_quantized and any(
             getattr(w, "grad_added_to_main_grad", None) is False for w in self.parameters())
-        if stepped or reset:
+        if (stepped or reset) and not (self.linear_fc1.step_refreshed_weights and capturing()):
             self.invalidate_weight_cache()
             self._backward_since_quantized = False
         out, bias = super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
@@ -368,15 +370,20 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
-        transpose = getattr(config, TRANSPOSE_FLAG, False)
-        if not isinstance(transpose, bool):
-            raise TypeError(f"config.{TRANSPOSE_FLAG} must be a bool, got {type(transpose).__name__} {transpose!r}")
+        transpose, refresh = (_bool_flag(config, flag) for flag in (TRANSPOSE_FLAG, REFRESH_FLAG))
         module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device,
                                     recompute_activation=_recomputes_activation(config),
-                                    keep_transposed_weight=not transpose)
+                                    keep_transposed_weight=not transpose, step_refreshed_weights=refresh)
     module._setup_for_megatron(config)
     module._pg_collection = pg_collection  # the expert process groups, for the distributed checkpoint
     return module
+
+
+def _bool_flag(config, flag: str) -> bool:
+    value = getattr(config, flag, False)
+    if not isinstance(value, bool):
+        raise TypeError(f"config.{flag} must be a bool, got {type(value).__name__} {value!r}")
+    return value
 
 
 def invalidate_fp8_weights(model: torch.nn.Module) -> int:

@@ -39,6 +39,20 @@ cudaError_t quantize_1x128(const void* x, QuantInput in, int64_t m, int64_t k, b
 cudaError_t quantize_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
                              float* s, void* qt, float* st, cudaStream_t stream);
 
+// quantize_128x128 into given buffers, for CUDA graphs that hold the weights' FP8 copies across micro-batches:
+// nothing is done when *version == *done (read on the device), else the copies are written and then version is copied
+// into done (in stream order). version: the device's optimizer-step counter; done: the step the buffers hold (-1:
+// none). qt and st may both be nullptr (W's copy only). Capturable: the decision is made at each replay.
+cudaError_t quantize_128x128_refresh(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q,
+                                     float* s, void* qt, float* st, const int64_t* version, int64_t* done,
+                                     cudaStream_t stream);
+
+// The transposed copy alone, from the copy: q e4m3 [g, n, k] and s [g, ceil(n/128), ceil(k/128)] (quantize_128x128's q
+// and s) -> qt [g, k, n] and st [g, ceil(k/128), ceil(n/128)], the bytes quantize_128x128 writes as qt and st.
+// n, k multiples of 16; q and qt 16-byte aligned.
+cudaError_t transpose_128x128(const void* q, const float* s, int64_t g, int64_t n, int64_t k, void* qt, float* st,
+                              cudaStream_t stream);
+
 // x [m, k] -> qt e4m3 [k, P] contiguous, P = wgrad_pitch(m, G): group g's tokens at columns
 // [a_g, a_g + M_g), a_g = sum_{h<g} round_up(M_h, 128) (qt[c * P + a_g + t] = q(x[o_g + t, c])), every other
 // column set to 0; and s [m/128 + G, k] (row b = the b-th 128-token block, counting each group's blocks from

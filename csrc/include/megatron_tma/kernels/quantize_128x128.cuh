@@ -19,9 +19,14 @@ struct Quantize128x128Params {
   const void* w;  // [g, n, k] 16-bit, 16-byte aligned
   uint8_t* q;     // e4m3 [g, n, k]
   float* s;       // [g, ceil(n/128), ceil(k/128)]
-  uint8_t* qt;    // e4m3 [g, k, n]
+  uint8_t* qt;    // e4m3 [g, k, n]; nullptr: no transposed copy (nor st)
   float* st;      // [g, ceil(k/128), ceil(n/128)]
   int g, n, k;    // n, k multiples of 16
+  // The refresh (quantize_128x128_refresh): with `version` set, the whole launch does nothing when *version ==
+  // *done, i.e. the outputs already hold the weights of that optimizer step. Read on the device, so a CUDA graph that
+  // holds the launch re-quantizes on replay only after a step (the launcher copies version into done after it).
+  const int64_t* version = nullptr;
+  const int64_t* done = nullptr;
 };
 
 template <class In, bool kPow2>
@@ -33,6 +38,8 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
   const int nbs = (p.n + kBlock - 1) / kBlock, kbs = (p.k + kBlock - 1) / kBlock;
   const int64_t tiles = int64_t(p.g) * nbs * kbs;
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  if (p.version != nullptr && *p.version == *p.done) return;  // uniform over the grid: no CTA reaches a barrier
+  const bool transposed = p.qt != nullptr;
 
   // Tile t = (group, nb, kb) with kb fastest: concurrent CTAs read neighbouring blocks of the same rows.
   auto load = [&](int64_t t, uint4(&v)[8]) {
@@ -76,16 +83,19 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
       if (row < p.n && col < p.k) store16(p.q + (gi * p.n + row) * p.k + col, out);
     }
 
-    uint2 cols[8];
-    transpose8x8(rows, cols);
-    TransposedTile::write(tile, sub, cols);
+    if (transposed) {
+      uint2 cols[8];
+      transpose8x8(rows, cols);
+      TransposedTile::write(tile, sub, cols);
+    }
     // v and the quantized bytes are dead: prefetch the next tile, whose latency the qt stores hide.
     if (t + gridDim.x < tiles) load(t + gridDim.x, v);
     if (threadIdx.x == 0) {
       p.s[(gi * nbs + nb) * kbs + kb] = bs.scale;
-      p.st[(gi * kbs + kb) * nbs + nb] = bs.scale;
+      if (transposed) p.st[(gi * kbs + kb) * nbs + nb] = bs.scale;
     }
     __syncthreads();  // the transposed tile is complete; warp_amax may be rewritten
+    if (!transposed) continue;
 
     // qt: 128 rows (k) x 8 chunks of 16 bytes (n); 8 consecutive threads store one 128-byte row piece.
 #pragma unroll

@@ -1,0 +1,133 @@
+"""FP8 weight copies refreshed on the device once per optimizer step: what a CUDA graph replays without the weight pass.
+
+`FP8WeightCache` decides on the host (pointers, version counters, the optimizer-step stamp) whether the weights
+changed; a CUDA graph replays none of that host code, so a captured forward either re-quantizes the weights on every
+replay (the weight pass in every micro-batch: on Qwen3-30B-A3B's 128-expert layer about a third of the layer's FP8
+time) or reads copies that go stale after the next optimizer step. `StepRefreshedWeights` moves the decision onto the
+device:
+
+* one int64 counter per device (`optimizer_step_counter`), incremented by a kernel after every torch optimizer step
+  (the same global step hook that moves the host stamp; a step captured in a graph captures the increment too);
+* fixed FP8 buffers per layer (W's copy, and W^T's unless the layer makes it in backward) and an int64 `done`, the
+  counter value the buffers were written at;
+* `quantize_128x128_refresh` (csrc/kernels/quantize_128x128.cuh): the weight quantizer with a first instruction that
+  returns when `*counter == *done`, then `done = counter` in stream order. Captured, the launch stays in the graph and
+  decides at each replay: micro-batch 1 after a step re-quantizes, micro-batches 2..N replay a launch that exits.
+
+The bits are the same as every other path's (the same kernel writes the same bytes). What the counter cannot see --
+weights written outside an optimizer step (`load_state_dict`, a resume, a write through `.data`) -- `invalidate()`
+covers (the modules call it when Megatron sets `is_first_microbatch`, eagerly); eager calls also compare the host key
+(pointers, versions, the host stamp) and invalidate on a change, as `FP8WeightCache` would miss. Under capture no host
+check can hold, so call `invalidate()` outside the graph after such writes.
+
+The buffers, `done` and the counter are made by the first eager call (a tensor made during capture would be
+initialised by a captured kernel, i.e. reset at every replay): run one eager forward before capturing, as Megatron's
+and torch's graph helpers do with their warm-up steps. One layer, one thread (its owner's): unlike `FP8WeightCache`,
+the buffers are written in place.
+"""
+from typing import Dict, NamedTuple, Optional, Sequence
+
+import torch
+
+from . import ops
+
+__all__ = ["StepRefreshedWeights", "optimizer_step_counter"]
+
+_COUNTERS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def optimizer_step_counter(device: torch.device) -> torch.Tensor:
+    """The int64 scalar on `device` that every torch optimizer step increments (on the device, in stream order). Made
+    at the first request, which must not be inside a CUDA-graph capture."""
+    device = torch.device(device)
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        if _capturing():
+            raise RuntimeError("the optimizer-step counter is made by an eager call: run one eager forward of the "
+                               "layer before capturing it (megatron_tma.weight_refresh)")
+        counter = _COUNTERS[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return counter
+
+
+def note_optimizer_step() -> None:
+    """Called by megatron_tma.autograd's global optimizer-step hook: every device's counter moves."""
+    for counter in _COUNTERS.values():
+        counter.add_(1)
+
+
+class _Buffers(NamedTuple):
+    key: tuple  # (pow2, keep_transposed, shape, dtype, device): what the buffers are shaped for
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: Optional[torch.Tensor]
+    st: Optional[torch.Tensor]
+    done: torch.Tensor  # int64 scalar: the counter value the buffers hold (-1: none)
+
+
+class StepRefreshedWeights:
+    """One layer's FP8 weight copies in fixed buffers, re-quantized on the device only after an optimizer step (module
+    docstring). `get` has FP8WeightCache's signature, so a layer takes either."""
+
+    def __init__(self) -> None:
+        self._buffers: Optional[_Buffers] = None
+        self._host_key: Optional[tuple] = None
+
+    def invalidate(self) -> None:
+        """The next refresh re-quantizes (an eager device write; under capture it would be captured, i.e. re-quantize
+        at every replay)."""
+        if self._buffers is not None:
+            self._buffers.done.fill_(-1)
+
+    # A copy starts empty: the buffers belong to this layer's graphs.
+    def __deepcopy__(self, memo) -> "StepRefreshedWeights":
+        return type(self)()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    @torch.compiler.disable  # host bookkeeping and buffers owned across calls: not something to trace
+    def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto",
+            keep_transposed: bool = True):
+        from . import autograd  # (it imports this module: its optimizer-step hook moves the counters)
+
+        stacked, _ = autograd._checked_stack(tuple(weights))  # a copy when the weights do not lie back to back (captured too)
+        g, n, k = stacked.shape
+        key = (pow2, keep_transposed, stacked.shape, stacked.dtype, stacked.device)
+        capturing = _capturing()
+        buffers = self._buffers
+        if buffers is None or buffers.key != key:
+            if capturing:
+                raise RuntimeError("StepRefreshedWeights: the FP8 buffers are made by an eager call; run one eager "
+                                   "forward of the layer before capturing it (megatron_tma.weight_refresh)")
+            buffers = self._buffers = self._allocate(key, g, n, k)
+            self._host_key = None
+        if not capturing:
+            host_key = (tuple(w.data_ptr() for w in weights), tuple(w._version for w in weights),
+                        autograd._optimizer_step_stamp)
+            if host_key != self._host_key:
+                buffers.done.fill_(-1)
+                self._host_key = host_key
+        refresh = ops.kernel("quantize_128x128_refresh", backend == "reference")
+        with torch.no_grad():
+            refresh(stacked.detach(), pow2, buffers.q, buffers.s, buffers.qt, buffers.st,
+                    optimizer_step_counter(stacked.device), buffers.done)
+        return autograd.QuantizedWeights(buffers.q, buffers.s, buffers.qt, buffers.st)
+
+    @staticmethod
+    def _allocate(key: tuple, g: int, n: int, k: int) -> _Buffers:
+        keep_transposed, device = key[1], key[4]
+        nb, kb = -(-n // 128), -(-k // 128)
+        fp8 = dict(dtype=torch.float8_e4m3fn, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        with torch.inference_mode(False):  # never inference tensors: training saves them for backward
+            return _Buffers(key, torch.empty((g, n, k), **fp8), torch.empty((g, nb, kb), **f32),
+                            torch.empty((g, k, n), **fp8) if keep_transposed else None,
+                            torch.empty((g, kb, nb), **f32) if keep_transposed else None,
+                            torch.full((), -1, dtype=torch.int64, device=device))
