@@ -26,7 +26,8 @@ Every method's step is also captured whole in a CUDA graph and timed replayed (`
 sync-free, so forward + backward capture; with re-quantized weights the graph contains the weight quantization),
 which takes the host out of the step: `<method>_host_ms` is the host time to enqueue one eager step. `graph_bitexact`:
 our graphed step gives the eager step's bits and the graphed padded twin's.
-Writes benchmarks/results/mlp_layer-<stamp>.json and a PNG; the table prints last.
+Writes benchmarks/results/mlp_layer-<stamp>.json (`mlp_layer_micro_batches-<stamp>.json` with --micro-batches > 1) and a
+PNG; the table prints last.
 
     python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--weight-layout per_expert] [--no-graphs]
                                          [--iters N] [--out DIR]
@@ -399,7 +400,9 @@ def main():
         f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "") + (
         " --defer-wgrad" if args.defer_wgrad else "") + (
         f" --models {' '.join(args.models)}" if args.models else "")
-    path = common.write_result("mlp_layer", rows, ceilings, command=command, out_dir=args.out, extra={
+    # A step of several micro-batches is another regime than the issues' one-pass rows: its own series of results
+    name = "mlp_layer_micro_batches" if args.micro_batches > 1 else "mlp_layer"
+    path = common.write_result(name, rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
         "weight_layout": args.weight_layout,
         "peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it "
