@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Lab: one device call that verifies a tree and its Apex environment: the extension built, Apex built beside it in
-# the background (../shared/device/apex/, copied into .apex/), the GPU suite without the recipe runs while Apex
+# the background (.apex/: Apex's source tarball and its build script, which leaves /tmp/apex/env.sh), the GPU suite without the recipe runs while Apex
 # builds, then the Apex recipe tests (tests/test_apex_gpu.py and the -apex resume variants) with what the deadline
 # leaves. Carry .whl and .apex. Logs under $OUT.
-#   cp ../shared/device/apex/{apex-src.tgz,build_apex.sh} .apex/ && DEADLINE=580 bash lab/device_suite_apex.sh
+#   DEADLINE=580 bash lab/device_suite_apex.sh   (carry .whl and .apex)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s); DEADLINE=${DEADLINE:-580}

@@ -2,10 +2,10 @@
 absent, as NGC-style images carry them: its optimizer steps Apex's FusedAdam, the local layer spec's norms are
 megatron-core's FusedLayerNorm on Apex's kernels (LayerNorm only, so the test trains with LayerNorm; an RMSNorm run gets
 torch's RMSNorm there, Megatron-LM #1658), and `--gradient-accumulation-fusion` adds the dense layers' weight gradients
-into the FP32 main_grad with Apex's `fused_weight_gradient_mlp_cuda`. Every mode in that environment: the twins bit for bit and Megatron's own
-experts beside ours; the resume there is test_mcore_gpu's resume test (its `-apex` variants).
+into the FP32 main_grad with Apex's `fused_weight_gradient_mlp_cuda`. Every mode in that environment: the twins bit
+for bit and Megatron's own experts beside ours; the resume there is test_mcore_gpu's resume test (its `-apex` variants).
 
-Skipped without Apex's compiled extensions (on the GPU machine: ../shared/device/apex/build_apex.sh builds the ones
+Skipped without Apex's compiled extensions (Apex built from source with its C++/CUDA extensions: the ones
 megatron-core imports), without a Hopper GPU and the built extension, or without megatron-core. With TE also
 installed, megatron-core prefers TE's FusedAdam, which the test then expects."""
 import importlib.util
