@@ -47,6 +47,7 @@ import common  # noqa: E402
 
 from megatron_tma import testing  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
+from megatron_tma import weight_refresh  # noqa: E402
 from megatron_tma.mlp import WEIGHT_LAYOUTS, GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
 
 MODELS = {  # name: (hidden H, expert ffn F, local experts G)
@@ -210,6 +211,46 @@ class GraphStep:
         return self.outputs
 
 
+class GraphedMicroBatches:
+    """An AccumulatingStep from a CUDA graph: one micro-batch (forward, backward, the weight gradients into
+    `main_grad`) captured once; a step zeroes `main_grad`, signals an optimizer step when the step re-quantizes (the
+    device counter that step-refreshed weights read: megatron_tma.weight_refresh) and replays the graph once per
+    micro-batch. The default FP8 module's graph re-quantizes its weights in every replay (a capture cannot hold the
+    host cache); with `step_refreshed_weights=True` only the first replay after the signal does."""
+
+    def __init__(self, step: AccumulatingStep, warmup: int = 2):
+        self.step = step
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up off the capture stream (makes the refreshed buffers)
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        step.reset()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            out, _ = step.module(step.x, step.sizes, step.probs)
+            out.backward(step.dy)
+            for w in step.params:
+                if w.grad is not None:  # the BF16 module's (DDP's hook); the FP8 ones' went into main_grad
+                    w.main_grad.add_(w.grad)
+        self.out = out
+
+    def __call__(self):
+        for w in self.step.params:
+            w.main_grad.zero_()
+        if self.step.requantize:
+            weight_refresh.note_optimizer_step()
+        for _ in range(self.step.micro_batches):
+            self.graph.replay()
+        return self.out
+
+    def results(self):
+        """(the last micro-batch's output, then every main_grad): x.grad is the graph's own buffer, one micro-batch's."""
+        self()
+        return [self.out.detach()] + [w.main_grad for w in self.step.params]
+
+
 def host_ms(fn, calls: int = 5) -> float:
     """Median host time to enqueue one step (the call returns before the GPU finishes: nothing in it syncs), each
     call made with the GPU idle, so that a full launch queue does not stall it."""
@@ -249,7 +290,8 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     padded.load_state_dict(ours.state_dict())
     bf16.load_state_dict(ours.state_dict())
     groups = sizes.to(dev)
-    if micro_batches > 1:  # a step of micro-batches into main_grad (no CUDA graphs: GraphStep captures one pass)
+    graphed_micro_batches = micro_batches > 1 and graphs and not defer_wgrad  # (the flush's lists are host state)
+    if micro_batches > 1:  # a step of micro-batches into main_grad (GraphedMicroBatches below, not GraphStep)
         steps = {name: AccumulatingStep(m, x, groups, probs, dy, requantize, micro_batches)
                  for name, m in zip(METHODS, (ours, padded, bf16))}
         graphs = False
@@ -305,6 +347,8 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
         if "ours_graph_ms" in row and "padded_path_graph_ms" in row:
             row["graph_speedup_vs_padded_path"] = round(row["padded_path_graph_ms"] / row["ours_graph_ms"], 4)
         del graphed
+    if graphed_micro_batches:
+        graph_micro_batches(row, steps, fp8, G, H, F, iters)
     if "bf16_ms" in row:
         row["max_diff_vs_bf16"] = max(testing.diff(u, v) for u, v in zip(a, steps["bf16"].results())
                                       if v.abs().sum() > 0)
@@ -320,6 +364,40 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+def graph_micro_batches(row, steps, fp8, G, H, F, iters):
+    """The micro-batch step from CUDA graphs (GraphedMicroBatches): ours as a graph captures it by default (the
+    weights re-quantized in every replay), ours with step-refreshed weights (once a step) and the BF16 twin;
+    `<name>_graph_ms` per step, `graph_bitexact`: the refreshed graph's output and main_grads equal the eager step's."""
+    ours = steps["ours"].module
+    refreshed = GroupedFP8MLP(G, H, F, "swiglu", step_refreshed_weights=True, **fp8)
+    refreshed.load_state_dict(ours.state_dict())
+    s = steps["ours"]
+    eager = {"ours": s, "ours_refreshed": AccumulatingStep(refreshed, s.x, s.sizes, s.probs, s.dy, s.requantize,
+                                                           s.micro_batches), "bf16": steps["bf16"]}
+    graphed = {}
+    for name, step in eager.items():
+        try:
+            graphed[name] = GraphedMicroBatches(step)
+        except Exception as e:  # noqa: BLE001 - recorded, as a method that cannot run
+            row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    for name, ms in common.bench_blocks(graphed, iters=iters).items():
+        if isinstance(ms, str):
+            row[f"{name}_graph_error"] = ms
+            continue
+        row[f"{name}_graph_ms"] = round(ms, 4)
+    if "ours_refreshed" in graphed:
+        want = s.results()
+        want = [want[0]] + want[3:]  # the output and the main_grads (x.grad sums the micro-batches eagerly)
+        row["graph_bitexact"] = all(torch.equal(u, v) for u, v in zip(graphed["ours_refreshed"].results(), want))
+    for name in ("ours", "bf16"):
+        if f"{name}_graph_ms" in row and "ours_refreshed_graph_ms" in row:
+            row[f"refreshed_graph_speedup_vs_{name}_graph"] = round(
+                row[f"{name}_graph_ms"] / row["ours_refreshed_graph_ms"], 4)
+    if "ours_ms" in row and "ours_refreshed_graph_ms" in row:
+        row["refreshed_graph_speedup_vs_eager"] = round(row["ours_ms"] / row["ours_refreshed_graph_ms"], 4)
+    del graphed, eager, refreshed
 
 
 def geomean(xs):

@@ -19,12 +19,15 @@ timeout 70 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_w
   "tests/test_quant_gpu.py::test_transpose_128x128_refuses_what_it_cannot_read" \
   "tests/test_quant_gpu.py::test_128x128_refresh_writes_or_skips_on_the_device" \
   > "$OUT/tests.log" 2>&1; stamp "focused tests rc=$?"; tail -4 "$OUT/tests.log"
-for extra in --defer-wgrad --transpose-in-backward plain; do
-  opt=$extra; [ "$extra" = plain ] && opt=""
-  timeout 40 python3 benchmarks/bench_mlp_layer.py --models qwen3_30b_a3b --micro-batches 4 $opt --out /tmp/b$extra \
-    > /tmp/log.txt 2>&1; stamp "bench $extra rc=$?"; grep -E "^ qwen3" /tmp/log.txt | head -8; tail -2 /tmp/log.txt | cut -c1-400
-  for f in /tmp/b$extra/*.json; do cp "$f" "$OUT/${extra#--}-$(basename "$f")"; done
-done
+bench() {  # $1: a name, then the options; JSON back as <name>-<file>
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/bench_mlp_layer.py --models qwen3_30b_a3b --micro-batches 4 "$@" --out "/tmp/b$name" \
+    > /tmp/log.txt 2>&1; stamp "bench $name rc=$?"; grep -E "^ qwen3" /tmp/log.txt | head -8; tail -2 /tmp/log.txt | cut -c1-400
+  for f in /tmp/b$name/*.json; do cp "$f" "$OUT/$name-$(basename "$f")"; done
+}
+bench graphs 80          # the eager micro-batch step and its CUDA graphs (re-quantizing, step-refreshed, BF16)
+bench defer 40 --defer-wgrad
+bench transpose 40 --transpose-in-backward --no-graphs
 [ "$(left)" -gt 15 ] && timeout $(( $(left) - 3 )) python3 -m pytest -q -p no:cacheprovider --tb=short -rfE \
   tests/test_quant_gpu.py -k 128x128 tests/test_mlp_gpu.py >> "$OUT/tests.log" 2>&1
 stamp "rest rc=$?"; tail -3 "$OUT/tests.log"
