@@ -176,6 +176,24 @@ class AccumulatingStep(Step):
         return [out.detach(), self.x.grad, self.probs.grad] + [w.main_grad for w in self.params]
 
 
+def warm_up_and_capture(step, forward, warmup, backward=True):
+    """(a CUDA graph of `forward()` and, with `backward`, its output's backward with `step.dy`; the output): `step` run
+    `warmup` times first on a side stream (autograd and the libraries warm up off the capture stream), then reset."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    step.reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+        if backward:
+            out.backward(step.dy)
+    return graph, out
+
+
 class GraphStep:
     """The same training step captured once in a CUDA graph and replayed: what a step costs without the host (the
     layer is sync-free, so the whole forward + backward captures; the group sizes are read on the device, so a
@@ -189,17 +207,7 @@ class GraphStep:
             for m in step.module.modules():
                 if hasattr(m, "graph_reuses_cached_weights"):
                     m.graph_reuses_cached_weights = True
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # autograd and the libraries warm up off the capture stream
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        step.reset()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            out, _ = step.module(step.x, step.sizes, step.probs)
-            out.backward(step.dy)
+        self.graph, out = warm_up_and_capture(step, lambda: step.module(step.x, step.sizes, step.probs)[0], warmup)
         self.outputs = [out.detach(), step.x.grad, step.probs.grad] + [w.grad for w in step.module.parameters()]
         self.module = step.module
 
@@ -220,21 +228,17 @@ class GraphedMicroBatches:
 
     def __init__(self, step: AccumulatingStep, warmup: int = 2):
         self.step = step
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # eager warm-up off the capture stream (makes the refreshed buffers)
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        step.reset()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+
+        def micro_batch():
             out, _ = step.module(step.x, step.sizes, step.probs)
             out.backward(step.dy)
             for w in step.params:
                 if w.grad is not None:  # the BF16 module's (DDP's hook); the FP8 ones' went into main_grad
                     w.main_grad.add_(w.grad)
-        self.out = out
+            return out
+
+        # (the eager warm-up also makes the step-refreshed weights' buffers, which a capture cannot)
+        self.graph, self.out = warm_up_and_capture(step, micro_batch, warmup, backward=False)
 
     def __call__(self):
         for w in self.step.params:

@@ -156,6 +156,17 @@ struct TransposedTile {
   static __device__ __forceinline__ uint4 read(const uint8_t* tile, int t, int chunk) {
     return *reinterpret_cast<const uint4*>(tile + offset(t, chunk));
   }
+  // The complete tile of source block (n0, k0) to its place in out [k, n] (row pitch n): 128 rows (k) x 8 chunks of
+  // 16 bytes (n); 8 consecutive threads store one 128-byte row piece; rows and chunks past the matrix are skipped.
+  static __device__ __forceinline__ void store(const uint8_t* tile, uint8_t* out, int k0, int n0, int k, int n) {
+#pragma unroll
+    for (int r = 0; r < kBytes / 16 / kThreads; ++r) {
+      const int idx = threadIdx.x + r * kThreads;
+      const int tr = idx >> 3, chunk = idx & 7;
+      const int kk = k0 + tr, nn = n0 + 16 * chunk;
+      if (kk < k && nn < n) store16(out + int64_t(kk) * n + nn, read(tile, tr, chunk));
+    }
+  }
 };
 
 }  // namespace quant

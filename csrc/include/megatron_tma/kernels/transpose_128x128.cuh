@@ -65,14 +65,7 @@ __global__ void __launch_bounds__(kThreads, kTranspose128x128CtasPerSm)
     if (threadIdx.x == 0) p.st[(gi * kbs + kb) * nbs + nb] = p.s[(gi * nbs + nb) * kbs + kb];
     __syncthreads();  // the transposed tile is complete
 
-    // qt: 128 rows (k) x 8 chunks of 16 bytes (n); 8 consecutive threads store one 128-byte row piece.
-#pragma unroll
-    for (int r = 0; r < TransposedTile::kBytes / 16 / kThreads; ++r) {
-      const int idx = threadIdx.x + r * kThreads;
-      const int tr = idx >> 3, chunk = idx & 7;
-      const int kk = k0 + tr, nn = n0 + 16 * chunk;
-      if (kk < p.k && nn < p.n) store16(p.qt + (gi * p.k + kk) * p.n + nn, TransposedTile::read(tile, tr, chunk));
-    }
+    TransposedTile::store(tile, p.qt + gi * p.k * p.n, k0, n0, p.k, p.n);  // qt, whole 16-byte vectors
   }
 }
 
