@@ -128,16 +128,14 @@ def test_128x128_matches_reference(gen, dtype, pow2, shape):
 @pytest.mark.parametrize("shape", [(1, 16, 16), (2, 144, 272), (3, 400, 128), (5, 256, 1040), (7, 2048, 768),
                                    (1000, 32, 48)])
 def test_transpose_128x128_is_the_quantizers_transposed_copy(gen, shape):
-    """W^T's copy made from W's by the transpose kernel (keep_transposed_weight=False's backward): the bytes and scales
-    quantize_128x128 writes as qt and st, every one of them (outputs poisoned), partial tiles and many small groups
-    (more tiles than the persistent grid holds) included; and the reference's."""
-    from megatron_tma.autograd import transposed_weights
-
+    """W^T's copy made from W's by the transpose kernel (for keep_transposed_weight=False's backward): the bytes and
+    scales quantize_128x128 writes as qt and st, every one of them (outputs poisoned), partial tiles and many small
+    groups (more tiles than the persistent grid holds) included; and the reference's."""
     g, n, k = shape
     w = special_rows(g * n, k, gen, torch.bfloat16).view(g, n, k)
     q, s, qt, st = quantize_128x128(w, backend="cuda")
     poison_allocations(g * k * n, s.numel() * 4)
-    qt2, st2 = transposed_weights(q, s)
+    qt2, st2 = torch.ops.megatron_tma.transpose_128x128(q, s)
     assert_fp8_equal(qt2, qt)
     assert_scales_equal(st2, st)
     ref_qt, ref_st = R.transpose_128x128(q, s)

@@ -29,6 +29,9 @@ auto pick(QuantInput in, bool pow2) {
 }
 template <class In, bool kPow2> struct K1x128 { static constexpr auto fn = quantize_1x128_kernel<In, kPow2>; };
 template <class In, bool kPow2> struct K128x128 { static constexpr auto fn = quantize_128x128_kernel<In, kPow2>; };
+template <class In, bool kPow2> struct K128x128Refresh {
+  static constexpr auto fn = quantize_128x128_kernel<In, kPow2, true>;
+};
 template <class In, bool kPow2> struct KGrouped { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, false>; };
 template <class In, bool kPow2> struct KFused { static constexpr auto fn = quantize_grouped_128x1_kernel<In, kPow2, true>; };
 template <class In, bool kPow2> struct KFusedGather {
@@ -107,7 +110,7 @@ cudaError_t launch_128x128(const void* w, QuantInput in, int64_t g, int64_t n, i
   p.k = static_cast<int>(k);
   p.version = version;
   p.done = done;
-  const auto kernel = pick<K128x128>(in, pow2);
+  const auto kernel = version != nullptr ? pick<K128x128Refresh>(in, pow2) : pick<K128x128>(in, pow2);
   int grid = 0;
   const cudaError_t err = persistent_grid(kernel, k128x128CtasPerSm, 0, g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
   if (err != cudaSuccess) return err;

@@ -22,14 +22,16 @@ struct Quantize128x128Params {
   uint8_t* qt;    // e4m3 [g, k, n]; nullptr: no transposed copy (nor st)
   float* st;      // [g, ceil(k/128), ceil(n/128)]
   int g, n, k;    // n, k multiples of 16
-  // The refresh (quantize_128x128_refresh): with `version` set, the whole launch does nothing when *version ==
-  // *done, i.e. the outputs already hold the weights of that optimizer step. Read on the device, so a CUDA graph that
-  // holds the launch re-quantizes on replay only after a step (the launcher copies version into done after it).
+  // The refresh (kRefresh, quantize_128x128_refresh): the whole launch does nothing when *version == *done, i.e. the
+  // outputs already hold the weights of that optimizer step. Read on the device, so a CUDA graph that holds the launch
+  // re-quantizes on replay only after a step (the launcher copies version into done after it).
   const int64_t* version = nullptr;
   const int64_t* done = nullptr;
 };
 
-template <class In, bool kPow2>
+// kRefresh: the refresh variant (the version check; qt may be nullptr). The plain instances compile without either,
+// to the code they had before the variant existed.
+template <class In, bool kPow2, bool kRefresh = false>
 __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_kernel(const Quantize128x128Params p) {
   __shared__ __align__(16) uint8_t tile[TransposedTile::kBytes];
   __shared__ uint32_t warp_amax[kWarps];
@@ -38,8 +40,10 @@ __global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_
   const int nbs = (p.n + kBlock - 1) / kBlock, kbs = (p.k + kBlock - 1) / kBlock;
   const int64_t tiles = int64_t(p.g) * nbs * kbs;
   const uint16_t* w = static_cast<const uint16_t*>(p.w);
-  if (p.version != nullptr && *p.version == *p.done) return;  // uniform over the grid: no CTA reaches a barrier
-  const bool transposed = p.qt != nullptr;
+  if constexpr (kRefresh) {
+    if (*p.version == *p.done) return;  // uniform over the grid: no CTA reaches a barrier
+  }
+  const bool transposed = !kRefresh || p.qt != nullptr;
 
   // Tile t = (group, nb, kb) with kb fastest: concurrent CTAs read neighbouring blocks of the same rows.
   auto load = [&](int64_t t, uint4(&v)[8]) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lab (one call, <= 8 files back): build; the GPU tests of the transpose kernel, the refresh kernel and
+# Lab (one call, <= 8 files back): what the last stop built and could not run on a GPU. Build; the GPU tests of the transpose kernel, the refresh kernel and
 # StepRefreshedWeights in CUDA graphs, the sync-free deferral, the compile test; the qwen3 layer benchmarks at 4
 # micro-batches with --defer-wgrad, --transpose-in-backward and plain (JSON each); then the 128x128 quantizer tests.
 set -uo pipefail
