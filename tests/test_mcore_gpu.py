@@ -48,8 +48,10 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
     plain, _ = recipe(tmp_path / "plain", *args)
     for name, option in (("moe_act", ("--recompute-modules", "moe_act")), ("moe", ("--recompute-modules", "moe")),
                          ("full", ("--recompute-full",)),
-                         # not a recompute, the same promise: W^T made in each backward instead of kept
-                         ("transposed", ("--transpose-weights-in-backward",))):
+                         # not recomputes, the same promise: W^T made in each backward instead of kept; the FP8
+                         # copies in fixed buffers refreshed on the device after each step
+                         ("transposed", ("--transpose-weights-in-backward",)),
+                         ("refreshed", ("--step-refreshed-weights",))):
         path, result = recipe(tmp_path / name, *args, *option)
         assert result["summary"]["padded16"]["bitexact_params"], name
         _assert_same_bits(plain, path, 2, name)

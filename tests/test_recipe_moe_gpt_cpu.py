@@ -139,7 +139,7 @@ def test_cpu_job_refuses_megatrons_options(recipe):
     for option in (["--modes", "megatron"], ["--ep", "2"], ["--pp", "2"], ["--distributed-optimizer"],
                    ["--recompute-modules", "moe_act"], ["--device-token-counts"], ["--moe-permute-fusion"],
                    ["--gradient-accumulation-fusion"], ["--normalization", "LayerNorm"], ["--defer-expert-wgrad"],
-                   ["--transpose-weights-in-backward"]):
+                   ["--transpose-weights-in-backward"], ["--step-refreshed-weights"]):
         with pytest.raises(SystemExit) as e:
             recipe.options.parse_args(["--cpu", *option])
         assert e.value.code == 2, option

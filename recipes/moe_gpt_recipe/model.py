@@ -6,8 +6,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from megatron_tma.mcore import (CONFIG_FLAG, TRANSPOSE_FLAG, defer_expert_wgrads, from_sequential_mlp_key,
-                                megatron_experts)
+from megatron_tma.mcore import (CONFIG_FLAG, REFRESH_FLAG, TRANSPOSE_FLAG, defer_expert_wgrads,
+                                from_sequential_mlp_key, megatron_experts)
 
 from . import megatron_core as mc
 from .options import MEGATRONS_OWN
@@ -98,6 +98,7 @@ def build(args, mode):
     # the switch: Megatron's own experts of the spec ("megatron", "te") -> megatron_tma's, in either spec
     setattr(config, CONFIG_FLAG, None if mode in MEGATRONS_OWN else mode)
     setattr(config, TRANSPOSE_FLAG, args.transpose_weights_in_backward)
+    setattr(config, REFRESH_FLAG, args.step_refreshed_weights)
     spec = mc.layer_spec_from_config(base_layer_spec(args), config)
     gpts = []
     for vp in range(args.vpp) if args.vpp else [None]:

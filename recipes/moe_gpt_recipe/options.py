@@ -164,6 +164,10 @@ def parse_args(argv=None):
                    help="megatron_tma's FP8 modes keep each expert weight's FP8 copy only and make W^T's in each "
                         "backward (config.moe_megatron_tma_transpose_weights_in_backward: the same bits, one "
                         "layer's W^T copy alive at a time instead of every layer's across the step)")
+    p.add_argument("--step-refreshed-weights", action="store_true",
+                   help="megatron_tma's FP8 modes keep their weight copies in fixed buffers that a kernel refreshes on "
+                        "the GPU after each optimizer step (config.moe_megatron_tma_step_refreshed_weights: what lets "
+                        "a CUDA graph replay later micro-batches without the weight pass; the same bits)")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
@@ -244,6 +248,7 @@ def parse_args(argv=None):
             ("--profile-step", args.profile_step is not None),
             ("--device-token-counts", args.device_token_counts),
             ("--transpose-weights-in-backward", args.transpose_weights_in_backward),
+            ("--step-refreshed-weights", args.step_refreshed_weights),
             ("--defer-expert-wgrad", args.defer_expert_wgrad),
             ("--permute-in-experts", args.permute_in_experts),
             ("--moe-permute-fusion", args.moe_permute_fusion),
