@@ -325,10 +325,10 @@ class GroupedFP8Linear(_GroupedWeights):
             return None
         if self.step_refreshed_weights:
             # Megatron's flag, eagerly: weights may have been written outside an optimizer step (a checkpoint load).
-            # Under capture the device counter decides, at every replay.
+            # Under capture the device counter decides, at every replay, and the flag waits for the next eager call.
             if self.is_first_microbatch and not capturing():
                 self.weight_cache.invalidate()
-            self.is_first_microbatch = False
+                self.is_first_microbatch = False
             return self.weight_cache
         if self.is_first_microbatch or (not self.graph_reuses_cached_weights and capturing()):
             self.weight_cache.invalidate()

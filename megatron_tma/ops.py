@@ -114,7 +114,9 @@ def _fake_gather_quantize_1x128_and_grouped_128x1(x, rows, groups, num_groups, p
 
 
 def _quantize_128x128_refresh(w, pow2, q, s, qt, st, version, done):
-    if int(version) == int(done):  # (a host read: free on the CPU; the CUDA kernel decides on the device)
+    # A host read: free on the CPU; on a GPU tensor (backend="reference") a sync, which no CUDA graph can capture.
+    # The CUDA kernel decides on the device.
+    if int(version) == int(done):
         return
     for out, new in zip((q, s, qt, st), R.quantize_128x128(w, pow2)):
         if out is not None:

@@ -23,8 +23,12 @@ check can hold, so call `invalidate()` outside the graph after such writes.
 The buffers, `done` and the counter are made by the first eager call (a tensor made during capture would be
 initialised by a captured kernel, i.e. reset at every replay): run one eager forward before capturing, as Megatron's
 and torch's graph helpers do with their warm-up steps. One layer, one thread (its owner's): unlike `FP8WeightCache`,
-the buffers are written in place.
+the buffers are written in place (the CUDA op bumps no version counter of them, the CPU reference's copies do: a
+refresh between a forward and its backward -- which no schedule makes, the optimizer steps after every backward --
+would go unnoticed by autograd on the GPU). Buffers that a captured graph holds are never freed: a call with other
+shapes or another device makes new ones and keeps the old alive.
 """
+import warnings
 from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
@@ -54,7 +58,15 @@ def optimizer_step_counter(device: torch.device) -> torch.Tensor:
 
 
 def note_optimizer_step() -> None:
-    """Called by megatron_tma.autograd's global optimizer-step hook: every device's counter moves."""
+    """Called by megatron_tma.autograd's global optimizer-step hook: every device's counter moves. Under capture only
+    the capturing device's (a captured step increments it at every replay; a kernel on another device would run
+    eagerly in the middle of the capture). A counter made after a step was captured is not in that graph: make the
+    layers' first eager forward before capturing a step."""
+    if _capturing():
+        counter = _COUNTERS.get(torch.device("cuda", torch.cuda.current_device()))
+        if counter is not None:
+            counter.add_(1)
+        return
     for counter in _COUNTERS.values():
         counter.add_(1)
 
@@ -75,6 +87,10 @@ class StepRefreshedWeights:
     def __init__(self) -> None:
         self._buffers: Optional[_Buffers] = None
         self._host_key: Optional[tuple] = None
+        self._watch = None  # _collective_writes' watch of the weights' memory (in-place collectives move no version)
+        self._captured = False  # a CUDA graph holds the current buffers
+        self._retired = []  # buffers a captured graph may still write: kept alive (a reallocation must not free them)
+        self._warned_copy = False
 
     def invalidate(self) -> None:
         """The next refresh re-quantizes (an eager device write; under capture it would be captured, i.e. re-quantize
@@ -86,7 +102,7 @@ class StepRefreshedWeights:
     def __deepcopy__(self, memo) -> "StepRefreshedWeights":
         return type(self)()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict:  # (pickling drops the buffers, as deepcopy does)
         return {}
 
     def __setstate__(self, state: dict) -> None:
@@ -95,9 +111,16 @@ class StepRefreshedWeights:
     @torch.compiler.disable  # host bookkeeping and buffers owned across calls: not something to trace
     def get(self, weights: Sequence[torch.Tensor], pow2: bool = False, backend: str = "auto",
             keep_transposed: bool = True):
-        from . import autograd  # (it imports this module: its optimizer-step hook moves the counters)
+        from . import _collective_writes, autograd  # (autograd imports this module: its step hook moves the counters)
 
-        stacked, _ = autograd._checked_stack(tuple(weights))  # a copy when the weights do not lie back to back (captured too)
+        weights = tuple(weights)
+        stacked, is_view = autograd._checked_stack(weights)
+        if not is_view and not self._warned_copy:
+            self._warned_copy = True
+            warnings.warn("step_refreshed_weights: the expert weights do not lie back to back in one storage (moved "
+                          "one by one with .to()?), so every call stacks them into a copy, which a CUDA graph then "
+                          "replays too: about the weight pass it is meant to skip. Build the module on its device.",
+                          stacklevel=3)
         g, n, k = stacked.shape
         key = (pow2, keep_transposed, stacked.shape, stacked.dtype, stacked.device)
         capturing = _capturing()
@@ -106,14 +129,23 @@ class StepRefreshedWeights:
             if capturing:
                 raise RuntimeError("StepRefreshedWeights: the FP8 buffers are made by an eager call; run one eager "
                                    "forward of the layer before capturing it (megatron_tma.weight_refresh)")
+            if buffers is not None and self._captured:
+                self._retired.append(buffers)  # a graph captured with them may still replay: never free them
             buffers = self._buffers = self._allocate(key, g, n, k)
-            self._host_key = None
-        if not capturing:
-            host_key = (tuple(w.data_ptr() for w in weights), tuple(w._version for w in weights),
-                        autograd._optimizer_step_stamp)
-            if host_key != self._host_key:
+            self._host_key, self._captured = None, False
+        if capturing:
+            self._captured = True
+        else:
+            # What the device counter cannot see, checked eagerly as FP8WeightCache would: other memory, in-place
+            # writes through the parameters (versions; weights made under inference_mode have none: always
+            # refreshed), in-place collectives into them (the watch), and a step of this process.
+            inference = weights[0].is_inference()
+            host_key = None if inference else (tuple(w.data_ptr() for w in weights),
+                                               tuple(w._version for w in weights), autograd._optimizer_step_stamp)
+            if inference or host_key != self._host_key or self._watch is None or self._watch.written:
                 buffers.done.fill_(-1)
                 self._host_key = host_key
+                self._watch = _collective_writes.watch((stacked,) if is_view else weights)
         refresh = ops.kernel("quantize_128x128_refresh", backend == "reference")
         with torch.no_grad():
             refresh(stacked.detach(), pow2, buffers.q, buffers.s, buffers.qt, buffers.st,

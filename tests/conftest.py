@@ -3,6 +3,7 @@ the host-compiled drivers of the plain-C++ scheduler headers."""
 import os
 import shutil
 import subprocess
+import tempfile
 import zlib
 
 import pytest
@@ -144,3 +145,18 @@ def another_job_saving():
     for proc in started:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank (the CPU tests of in-place collectives on the weights)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

@@ -161,6 +161,8 @@ def test_128x128_refresh_writes_or_skips_on_the_device(gen, shape, transposed):
     refresh(w, False, *bufs, version, done)  # equal: a launch that exits
     assert all(torch.equal(b.view(torch.uint8), torch.full_like(b.view(torch.uint8), 0x7F))
                for b in bufs if b is not None and b.dtype == torch.float8_e4m3fn)
+    assert all(torch.equal(b, torch.full_like(b, 0x7F)) for b in bufs if b is not None and b.dtype == torch.float32)
+    assert int(done) == 5
     done.fill_(-1)
     refresh(w, False, *bufs, version, done)
     assert int(done) == 5

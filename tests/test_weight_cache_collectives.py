@@ -4,8 +4,6 @@ version counter and no optimizer step runs around them, so before megatron_tma._
 groups on the CPU (reference backend): two processes where the weights must change, one where only the cache's
 bookkeeping is looked at (a collective of one rank writes the same values, so only a miss or a hit tells)."""
 import gc
-import os
-import tempfile
 
 import pytest
 import torch
@@ -94,18 +92,6 @@ def test_a_forward_after_a_collective_on_the_weights_uses_the_new_weights(tmp_pa
 # ----------------------------------------------------------------------------------------------------------------
 # One rank: which entries a collective marks (the bookkeeping, not the values)
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _weights(gen, storage=None, offset=0):

@@ -3,9 +3,11 @@ buffers unless `done` already equals the step counter; every torch optimizer ste
 see in-place writes through the parameters (versions), `invalidate()` what neither sees; a layer built with
 `step_refreshed_weights=True` trains bit for bit like the default one. CUDA graphs: tests/test_weight_refresh_gpu.py."""
 import copy
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_tma import ops
 from megatron_tma import reference as R
@@ -118,3 +120,50 @@ def test_a_layer_trains_the_same_bits(gen, keep_transposed):
         for opt in opts:
             opt.step()
         assert all(torch.equal(u, v) for u, v in zip(plain.parameters(), refreshed.parameters())), step
+
+
+def _refreshed(cache, w):
+    """Whether `get` re-quantized: the scales are zeroed first (a skipped refresh leaves them zero)."""
+    cache._buffers.s.zero_()
+    return bool(cache.get((w,)).s.any())
+
+
+def test_an_in_place_collective_on_the_weights_is_seen_eagerly(gen, world_of_one):
+    """c10d collectives move no version counter and no step counter: the eager check watches the weights' memory as
+    FP8WeightCache does (megatron_tma._collective_writes), so the next call re-quantizes."""
+    w = torch.nn.Parameter(torch.randn(2, 128, 128, generator=gen).bfloat16())
+    cache = StepRefreshedWeights()
+    cache.get((w,))
+    assert not _refreshed(cache, w)  # nothing changed: the refresh exits
+    with torch.no_grad():
+        dist.broadcast(w, 0)
+    assert w._version == 0  # (the premise: nothing moved the counter)
+    assert _refreshed(cache, w)
+    assert not _refreshed(cache, w)  # and watched again
+
+
+def test_weights_made_under_inference_mode_are_refreshed_every_call(gen):
+    with torch.inference_mode():
+        w = torch.randn(1, 128, 128, generator=gen).bfloat16()  # an inference tensor: no version counter
+    cache = StepRefreshedWeights()
+    _assert_quantized(cache.get((w,)), w)
+    assert _refreshed(cache, w) and _refreshed(cache, w)
+
+
+def test_weights_that_are_no_stacked_view_warn_once(gen):
+    ws = [torch.randn(128, 128, generator=gen).bfloat16() for _ in range(3)]  # three separate storages
+    cache = StepRefreshedWeights()
+    with pytest.warns(UserWarning, match="do not lie back to back"):
+        _assert_quantized(cache.get(ws), torch.stack(ws))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.get(ws)
+
+
+def test_buffers_a_graph_holds_outlive_a_new_shape(gen):
+    cache = StepRefreshedWeights()
+    cache.get((torch.randn(1, 128, 128, generator=gen).bfloat16(),))
+    old = cache._buffers
+    cache._captured = True  # (what a capture of a forward sets)
+    cache.get((torch.randn(2, 128, 256, generator=gen).bfloat16(),))
+    assert cache._buffers is not old and cache._retired == [old]

@@ -10,7 +10,7 @@ import torch
 from megatron_tma import _ext
 from megatron_tma.groups import make_group_sizes
 from megatron_tma.mlp import GroupedFP8MLP
-from megatron_tma.weight_refresh import StepRefreshedWeights
+from megatron_tma.weight_refresh import StepRefreshedWeights, optimizer_step_counter
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 
@@ -157,12 +157,21 @@ def test_a_graph_holding_the_optimizer_step_trains_as_the_eager_loop():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = iteration()
+    # All replays first: no eager optimizer step in between may move the counter (the eager twin's would), so the
+    # graph's own captured increment is what makes each replay re-quantize.
+    counter = optimizer_step_counter(torch.device(DEV, torch.cuda.current_device()))
+    got = []
     for seed, dist in data[warmups:]:
         inputs.fill(seed, dist)
+        before = int(counter)
         graph.replay()
+        assert int(counter) == before + 1, "the captured optimizer step increments the counter once"
+        got.append((out.clone(), [w.detach().clone() for w in graphed.parameters()]))
+    for (seed, dist), (out_i, params_i) in zip(data[warmups:], got):
+        inputs.fill(seed, dist)
         want = eager_iteration()
-        assert torch.equal(out, want[0]), (seed, dist)
-        _assert_equal(list(graphed.parameters()), list(eager.parameters()), (seed, dist))
+        assert torch.equal(out_i, want[0]), (seed, dist)
+        _assert_equal(params_i, list(eager.parameters()), (seed, dist))
 
 
 def test_capturing_before_any_eager_call_is_an_error():
