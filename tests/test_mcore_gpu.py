@@ -73,6 +73,26 @@ def test_recipe_with_deferred_expert_wgrads(tmp_path, overlap):
         _assert_same_bits(plain, path, 2, "overlapped")
 
 
+@pytest.mark.parametrize("refreshed", [False, True], ids=["requantized", "step-refreshed"])
+def test_recipe_from_the_full_iteration_cuda_graph(tmp_path, refreshed):
+    """--cuda-graph-impl full_iteration (issue 53): megatron_tma's modes train from Megatron's full-iteration CUDA
+    graph, dropless, the counts on the GPU and the experts permuting their own tokens; the unpadded graph trains the
+    eager run's bits (the head-to-head run in the same job: every loss, grad norm and final parameter), the twins
+    stay bit for bit, and the FP8 weight copies are right after every step (the evaluation with them re-made agrees:
+    summarize's check), re-quantized in every replay or, with --step-refreshed-weights, once a step."""
+    args = ["--steps", "8", "--micro-batches", "3", "--modes", "unpadded", "padded16", "--permute-in-experts",
+            "--cuda-graph-impl", "full_iteration", *(["--step-refreshed-weights"] if refreshed else [])]
+    _, result = recipe(tmp_path, *args)
+    assert result["config"]["cuda_graph_impl"] == "full_iteration"
+    assert all(record["cuda_graph"] == "full_iteration" for record in result["records"].values())
+    row = result["summary"]["padded16"]
+    assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
+    head = result["head_to_head"]["graphed_vs_eager"]
+    assert head["bitexact"], head
+    losses = [r["loss"] for r in result["rows"] if r["mode"] == "unpadded"]
+    assert losses[-1] < losses[0]
+
+
 def test_recipe_with_token_counts_on_the_gpu_trains_the_same_bits(tmp_path):
     """--device-token-counts (Megatron's all-to-all dispatcher without its host copy, sync and identity sorts in
     every MoE layer of megatron_tma's modes): the same training bits as without it, in every mode, and the result

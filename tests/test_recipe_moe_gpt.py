@@ -160,6 +160,35 @@ def test_data_parallel_options_are_megatrons_config_fields(recipe):
             recipe.options.parse_args(["--overlap-param-gather", *missing])
 
 
+def test_cuda_graph_options(recipe, capsys):
+    """--cuda-graph-impl full_iteration: megatron_tma's modes from the graph, Megatron's own eager; refused where a
+    step could not be captured (the dispatcher's host read of the counts) or is not tried yet, each in one line."""
+    parse = recipe.options.parse_args
+    args = parse(["--cuda-graph-impl", "full_iteration", "--permute-in-experts"])
+    assert [m for m in args.modes if recipe.options.graphed(args, m)] == ["unpadded", "padded16", "padded128", "bf16"]
+    assert not recipe.options.graphed(parse([]), "unpadded")
+    assert parse(["--cuda-graph-impl", "full_iteration", "--device-token-counts"]).cuda_graph_warmup_steps == 2
+    for bad, why in ((["--cuda-graph-impl", "full_iteration"], "add --device-token-counts or --permute-in-experts"),
+                     (["--cuda-graph-impl", "full_iteration", "--permute-in-experts", "--defer-expert-wgrad"],
+                      "does not take --defer-expert-wgrad yet"),
+                     (["--cuda-graph-impl", "full_iteration", "--permute-in-experts", "--cuda-graph-warmup-steps",
+                       "0"], "must be >= 1"),
+                     (["--cuda-graph-impl", "full_iteration", "--permute-in-experts", "--steps", "2"],
+                      "leaves no graphed step")):
+        with pytest.raises(SystemExit) as e:
+            parse(bad)
+        assert e.value.code == 2 and why in capsys.readouterr().err, bad
+
+
+def test_graphed_vs_eager_head_to_head(recipe):
+    run = lambda times, losses: {"times": times, "losses": losses, "grad_norms": [1.0] * len(losses),  # noqa: E731
+                                 "param_digests": {"w": "x"}, "peak_mb": 10.0}
+    row = recipe.results.graphed_vs_eager(run([9, 9, 2, 2], [3.0, 2.0, 1.0, 0.5]),
+                                          run([9, 9, 3, 3], [3.0, 2.0, 1.0, 0.5]))
+    assert row["speedup"] == 1.5 and row["bitexact"] and row["ms_per_step_median"] == {"graphed": 2, "eager": 3}
+    assert not recipe.results.graphed_vs_eager(run([2, 2], [1.0, 0.4]), run([3, 3], [1.0, 0.5]))["bitexact"]
+
+
 def test_virtual_pipeline_chunks_are_named_apart(recipe):
     """With --vpp every chunk's weights get their own prefix, so that digests of two chunks' equally named layers
     stay apart; a single chunk keeps Megatron's names. --vpp without pipeline stages is refused."""

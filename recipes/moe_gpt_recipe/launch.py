@@ -17,7 +17,7 @@ from .checkpoints import check_resume, check_save_target, training_args
 from .data import chain_batches
 from .options import MEGATRONS_OWN, fail, parse_args
 from .plots import plot
-from .results import compare, read_result, same_bits, summarize, write_results
+from .results import compare, graphed_vs_eager, read_result, same_bits, summarize, write_results
 from .training import digests, release, train
 
 
@@ -231,9 +231,16 @@ def gpu_job(args):
     for mode in args.modes:
         runs[mode] = train(args, mode, rank, batches)
         runs[mode]["left_allocated_mb"] = release(runs[mode].pop("start_allocated_bytes"))
+    extra = {}
+    if args.cuda_graph_impl != "none" and "unpadded" in runs:  # our graphed step against our eager step
+        eager = train(args, "unpadded", rank, batches, eager=True)
+        release(eager.pop("start_allocated_bytes"))
+        extra["graphed_vs_eager"] = graphed_vs_eager(runs["unpadded"], eager)
     report, failures = summarize(runs)
+    if extra.get("graphed_vs_eager") and not extra["graphed_vs_eager"]["bitexact"]:
+        failures.append(f"unpadded from the CUDA graph differs from unpadded eager: {extra['graphed_vs_eager']}")
     if rank == 0:
-        write_results(args, runs, report, failures, world, loss_floor)
+        write_results(args, runs, report, failures, world, loss_floor, extra_head_to_head=extra)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failures else 0

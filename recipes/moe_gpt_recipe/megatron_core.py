@@ -15,11 +15,12 @@ def import_megatron():
     global get_gpt_layer_local_spec, OptimizerConfig, get_megatron_optimizer, get_forward_backward_func
     global get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name, model_parallel_cuda_manual_seed
     global Float16Module, TransformerConfig, layer_spec_from_config, gpt_layer_specs
-    global TransformerBlockSubmodules, get_num_layers_to_build
+    global TransformerBlockSubmodules, get_num_layers_to_build, FullCudaGraphWrapper, get_shared_capture_stream
     try:
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper, get_shared_capture_stream
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

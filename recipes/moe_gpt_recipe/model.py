@@ -10,7 +10,7 @@ from megatron_tma.mcore import (CONFIG_FLAG, REFRESH_FLAG, TRANSPOSE_FLAG, defer
                                 from_sequential_mlp_key, megatron_experts)
 
 from . import megatron_core as mc
-from .options import MEGATRONS_OWN
+from .options import MEGATRONS_OWN, graphed
 
 
 def ddp_settings(args):
@@ -93,6 +93,8 @@ def build(args, mode):
         pipeline_dtype=torch.bfloat16, init_method_std=0.02, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
         moe_grouped_gemm=True,  # as the layer spec below; read only by spec builders and the moe_act check
+        cuda_graph_impl="full_iteration" if graphed(args, mode) else "none",
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         **model_settings(args), **recompute_settings(args),
     )
     # the switch: Megatron's own experts of the spec ("megatron", "te") -> megatron_tma's, in either spec
@@ -110,10 +112,16 @@ def build(args, mode):
                                 pre_process=first, post_process=last, vp_stage=vp).cuda())
     if mode in MEGATRONS_OWN:
         redraw_megatron_experts(gpts, config, args.seed)
-    # as Megatron-LM: the chunks after the first keep all their parameters in one bucket
-    models = [mc.DistributedDataParallel(config, mc.DistributedDataParallelConfig(**ddp_settings(args)),
-                                         mc.Float16Module(config, gpt), disable_bucketing=i > 0)
-              for i, gpt in enumerate(gpts)]
+    # as Megatron-LM: the chunks after the first keep all their parameters in one bucket; with the full-iteration
+    # graph DDP is built on the capture stream, as Megatron-LM does, so that the AccumulateGrad nodes it keeps do not
+    # name a stream the capture does not run on
+    stream = mc.get_shared_capture_stream() if graphed(args, mode) else torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        models = [mc.DistributedDataParallel(config, mc.DistributedDataParallelConfig(**ddp_settings(args)),
+                                             mc.Float16Module(config, gpt), disable_bucketing=i > 0)
+                  for i, gpt in enumerate(gpts)]
+    torch.cuda.current_stream().wait_stream(stream)
     config.no_sync_func = [m.no_sync for m in models] if len(models) > 1 else models[0].no_sync
     config.finalize_model_grads_func = mc.finalize_model_grads
     if args.defer_expert_wgrad:  # (after the finalize it wraps; Megatron's own and the BF16 experts are left alone)

@@ -178,6 +178,16 @@ def parse_args(argv=None):
                         "gather the rows inside their first quantizer and combine their output per token (megatron_tma."
                         "mcore.permute_in_experts: no permuted BF16 copy either way; includes --device-token-counts); "
                         "the result's device_token_counts says which layers it took and why others did not")
+    p.add_argument("--cuda-graph-impl", choices=("none", "full_iteration"), default="none",
+                   help="Megatron's full-iteration CUDA graph (config.cuda_graph_impl; megatron.core.full_cuda_graph: "
+                        "every micro-batch's forward and backward of a step captured once after the warm-up steps, "
+                        "then replayed) for megatron_tma's modes; Megatron's own experts (megatron, te) train eagerly "
+                        "(their dispatcher reads the token counts on the host). Needs --device-token-counts or "
+                        "--permute-in-experts. Adds an eager run of unpadded after the modes: the result's "
+                        "head_to_head.graphed_vs_eager (speedup, bitexact)")
+    p.add_argument("--cuda-graph-warmup-steps", type=int, default=2, metavar="N",
+                   help="eager steps before the capture (Megatron's cuda_graph_warmup_steps; >= 1: the optimizer's "
+                        "state and the FP8 experts' buffers are made eagerly)")
     p.add_argument("--profile-step", type=int, default=None, metavar="STEP",
                    help="print torch.profiler's tables of the ops that took the most GPU time and the most host time "
                         "in this step (rank 0; that step's time then includes the profiler)")
@@ -249,6 +259,7 @@ def parse_args(argv=None):
             ("--device-token-counts", args.device_token_counts),
             ("--transpose-weights-in-backward", args.transpose_weights_in_backward),
             ("--step-refreshed-weights", args.step_refreshed_weights),
+            ("--cuda-graph-impl", args.cuda_graph_impl != "none"),
             ("--defer-expert-wgrad", args.defer_expert_wgrad),
             ("--permute-in-experts", args.permute_in_experts),
             ("--moe-permute-fusion", args.moe_permute_fusion),
@@ -269,10 +280,38 @@ def parse_args(argv=None):
                 "--distributed-optimizer")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
-    refusal = transformer_impl_refusal(args)
+    refusal = transformer_impl_refusal(args) or cuda_graph_refusal(args)
     if refusal:
         p.error(refusal)
     return args
+
+
+def cuda_graph_refusal(args):
+    """Why --cuda-graph-impl does not go with the other options (one line), or None. What a full-iteration graph
+    cannot hold: a host read of the token counts in every MoE layer (Megatron's dispatcher, unless the counts stay on
+    the GPU), host state that changes within a step (the deferred weight gradients' lists: not tried yet), a pipeline
+    (its schedule is not what the wrapper captures here), a profiler inside the replay."""
+    if args.cuda_graph_impl == "none":
+        return None
+    if args.cuda_graph_warmup_steps < 1:
+        return "--cuda-graph-warmup-steps must be >= 1 (the first steps are eager: they make the optimizer's state)"
+    if not (args.device_token_counts or args.permute_in_experts):
+        return ("--cuda-graph-impl full_iteration: Megatron's dispatcher copies each MoE layer's token counts to the "
+                "host and waits for them, which no graph can capture: add --device-token-counts or "
+                "--permute-in-experts")
+    for flag, asked in (("--defer-expert-wgrad", args.defer_expert_wgrad), ("--pp", args.pp != 1),
+                        ("--profile-step", args.profile_step is not None)):
+        if asked:
+            return f"--cuda-graph-impl full_iteration does not take {flag} yet"
+    if args.steps <= args.cuda_graph_warmup_steps:
+        return (f"--steps {args.steps} leaves no graphed step after --cuda-graph-warmup-steps "
+                f"{args.cuda_graph_warmup_steps}")
+    return None
+
+
+def graphed(args, mode):
+    """Whether `mode` trains from Megatron's full-iteration CUDA graph in this run (megatron_tma's modes only)."""
+    return args.cuda_graph_impl == "full_iteration" and mode not in MEGATRONS_OWN
 
 
 def transformer_impl_refusal(args):

@@ -166,7 +166,19 @@ def add_throughput(report, config, world):
             row["tokens_per_s_per_gpu"] = round(tokens / (row["ms_per_step_median"] / 1e3) / world, 1)
 
 
-def write_results(args, runs, report, failures, world, loss_floor):
+def graphed_vs_eager(graphed, eager):
+    """The head-to-head of one mode from the full-iteration CUDA graph against the same mode eager (the same model,
+    data and seed): speed-up (eager's median step time over the graphed one's, both over the second half of the
+    steps) and whether every step's loss and grad norm and every final parameter are the same bits."""
+    half = lambda run: run["times"][len(run["times"]) // 2:]  # noqa: E731
+    return {"speedup": upper_median(half(eager)) / upper_median(half(graphed)),
+            "ms_per_step_median": {"graphed": upper_median(half(graphed)), "eager": upper_median(half(eager))},
+            "bitexact": (graphed["losses"] == eager["losses"] and graphed["grad_norms"] == eager["grad_norms"]
+                         and graphed["param_digests"] == eager["param_digests"]),
+            "peak_mb": {"graphed": graphed.get("peak_mb"), "eager": eager.get("peak_mb")}}
+
+
+def write_results(args, runs, report, failures, world, loss_floor, extra_head_to_head=None):
     stamp = datetime.datetime.now(datetime.timezone.utc)
     add_throughput(report, vars(args), world)
     result = {
@@ -175,7 +187,8 @@ def write_results(args, runs, report, failures, world, loss_floor):
         "world_size": world, "environment": None if args.cpu else mc.environment(),
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot", "compare", "same_bits")},
-        "loss_floor": loss_floor, "summary": report, "head_to_head": head_to_head(runs, report),
+        "loss_floor": loss_floor, "summary": report,
+        "head_to_head": {**head_to_head(runs, report), **(extra_head_to_head or {})},
         "failures": failures,
         "rows": [{"mode": m, "step": i, "loss": l, "grad_norm": n, "ms": t}
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
@@ -185,7 +198,7 @@ def write_results(args, runs, report, failures, world, loss_floor):
                                                  "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted", "resumed_from_step",
                                                  "experts_share", "optimizer_class", "norm_classes",
-                                                 "device_token_counts",
+                                                 "device_token_counts", "cuda_graph",
                                                  "gpu_busy")}
                     for m, run in runs.items()},
     }

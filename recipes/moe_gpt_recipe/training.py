@@ -17,7 +17,7 @@ from . import megatron_core as mc
 from .checkpoints import check_save_target, optim_format, resume, training_args
 from .data import data_iterators
 from .model import build, canonical_weights, experts_against_megatron, named_parameters, norm_classes, optimizer_class
-from .options import MEGATRONS_OWN
+from .options import MEGATRONS_OWN, graphed
 from .timing import ExpertsTimer, device_busy_ms
 
 
@@ -51,9 +51,11 @@ def forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def train(args, mode, rank, batches):
+def train(args, mode, rank, batches, eager=False):
     """One mode's run: a record of per-step losses, grad norms and times, the digests of every rank's initial
-    weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's."""
+    weights (canonical names) and final parameters, and (mode `megatron`) megatron_tma's experts against Megatron's.
+    With --cuda-graph-impl full_iteration megatron_tma's modes train from Megatron's full-iteration CUDA graph
+    (`eager`: the same model without it, the head-to-head's twin)."""
     torch.cuda.synchronize()
     mem0 = torch.cuda.memory_allocated()  # count this mode's own bytes (the first leaves workspaces and buffers)
     torch.cuda.reset_peak_memory_stats()
@@ -71,11 +73,15 @@ def train(args, mode, rank, batches):
     shares = progress.setdefault("experts_share", [])
     data = data_iterators(models, batches[start * args.micro_batches:])
     fwd_bwd = mc.get_forward_backward_func()
+    graph = graphed(args, mode) and not eager
+    if graph:  # its graphs and step count are class state: a fresh start for every mode of the job
+        fwd_bwd = mc.FullCudaGraphWrapper(fwd_bwd, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps)
+        fwd_bwd.reset_cuda_graph()
     timer = ExpertsTimer(models)
     for step in range(start, args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        timer.start(step >= args.steps - args.experts_share_steps)
+        timer.start(step >= args.steps - args.experts_share_steps and not graph)  # (no events inside a replay)
         profiler = None
         if step == args.profile_step:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -121,6 +127,8 @@ def train(args, mode, rank, batches):
             if rank == 0:
                 print(f"[{mode:9s}] killed after step {step} (--kill-after-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+    if graph:
+        fwd_bwd.reset_cuda_graph()  # the graph and its pool go with the mode
     peak = torch.tensor(float(torch.cuda.max_memory_allocated() - mem0) / 2**20, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
@@ -137,7 +145,8 @@ def train(args, mode, rank, batches):
             "norm_classes": norm_classes(models),  # Apex's FusedLayerNorm in the local spec where Apex imports
             # the torch optimizer steps the experts' hook counted during the run (Megatron's optimizer steps one)
             "optimizer_steps_counted": mcore_experts._optimizer_steps - steps_counted,
-            "device_token_counts": counts_on_device}
+            "device_token_counts": counts_on_device,
+            "cuda_graph": "full_iteration" if graph else None}
 
 
 def device_token_counts(args, mode, models, rank):
