@@ -63,7 +63,8 @@ def train(args, mode, rank, batches, eager=False):
     counts_on_device = device_token_counts(args, mode, models, rank)
     steps_counted = mcore_experts._optimizer_steps
     start, progress = resume(args, mode, models, optimizer)
-    check_save_target(args, mode, start)
+    if not eager:  # (the eager twin saves nothing)
+        check_save_target(args, mode, start)
     if progress is None:
         progress = {"losses": [], "grad_norms": [], "times": [], "train_args": training_args(args),
                     "init_digests": gathered(digests(canonical_weights(models))),
@@ -118,7 +119,7 @@ def train(args, mode, rank, batches, eager=False):
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"[{mode:9s}] step {step:4d}  loss {loss:.5f}  grad norm {grad_norm:.4f}  {times[-1]:.1f} ms",
                   flush=True)
-        if args.save and (step + 1) % args.save_interval == 0:
+        if args.save and (step + 1) % args.save_interval == 0 and not eager:  # (the twin: the graphed run saved)
             path = checkpoint.save_checkpoint(os.path.join(args.save, mode), step + 1, models, optimizer,
                                               optim_format=optim_format(args), progress=progress)
             if rank == 0:
