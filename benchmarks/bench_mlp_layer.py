@@ -329,19 +329,10 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     b = steps["padded_path"].results()
     row["bitexact"] = all(torch.equal(u, v) for u, v in zip(a, b))
     if graphs:  # the same steps replayed from CUDA graphs: no host time; same bits as eager
-        graphed = {}
-        for name in METHODS:
-            if f"{name}_ms" in row:
-                try:
-                    graphed[name] = GraphStep(steps[name])
-                except Exception as e:  # noqa: BLE001 - recorded, as a method that cannot run
-                    row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        for name, ms in common.bench_blocks(graphed, iters=iters).items():
-            if isinstance(ms, str):
-                row[f"{name}_graph_error"] = ms
-                continue
-            row[f"{name}_graph_ms"] = round(ms, 4)
-            row[f"{name}_graph_host_ms"] = round(host_ms(graphed[name]), 4)
+        graphed = time_graphs(row, {name: steps[name] for name in METHODS if f"{name}_ms" in row}, GraphStep, iters)
+        for name in graphed:
+            if f"{name}_graph_ms" in row:
+                row[f"{name}_graph_host_ms"] = round(host_ms(graphed[name]), 4)
         if "ours" in graphed and "padded_path" in graphed:
             eager = steps["ours"].results()  # the eager step again, after the captures (their inputs unchanged)
             row["graph_bitexact"] = all(torch.equal(u, v) for u, v in zip(graphed["ours"].results(), eager)) and all(
@@ -370,6 +361,23 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     return row
 
 
+def time_graphs(row, steps, capture, iters):
+    """{name: capture(step)} for each of `steps` that captures, timed in blocks into `row[<name>_graph_ms]`; a capture
+    or replay that raises is recorded as `<name>_graph_error`, as a method that cannot run."""
+    graphed = {}
+    for name, step in steps.items():
+        try:
+            graphed[name] = capture(step)
+        except Exception as e:  # noqa: BLE001 - recorded, as a method that cannot run
+            row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    for name, ms in common.bench_blocks(graphed, iters=iters).items():
+        if isinstance(ms, str):
+            row[f"{name}_graph_error"] = ms
+        else:
+            row[f"{name}_graph_ms"] = round(ms, 4)
+    return graphed
+
+
 def graph_micro_batches(row, steps, fp8, G, H, F, iters):
     """The micro-batch step from CUDA graphs (GraphedMicroBatches): ours as a graph captures it by default (the
     weights re-quantized in every replay), ours with step-refreshed weights (once a step) and the BF16 twin;
@@ -380,17 +388,7 @@ def graph_micro_batches(row, steps, fp8, G, H, F, iters):
     s = steps["ours"]
     eager = {"ours": s, "ours_refreshed": AccumulatingStep(refreshed, s.x, s.sizes, s.probs, s.dy, s.requantize,
                                                            s.micro_batches), "bf16": steps["bf16"]}
-    graphed = {}
-    for name, step in eager.items():
-        try:
-            graphed[name] = GraphedMicroBatches(step)
-        except Exception as e:  # noqa: BLE001 - recorded, as a method that cannot run
-            row[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    for name, ms in common.bench_blocks(graphed, iters=iters).items():
-        if isinstance(ms, str):
-            row[f"{name}_graph_error"] = ms
-            continue
-        row[f"{name}_graph_ms"] = round(ms, 4)
+    graphed = time_graphs(row, eager, GraphedMicroBatches, iters)
     if "ours_refreshed" in graphed:
         want = s.results()
         want = [want[0]] + want[3:]  # the output and the main_grads (x.grad sums the micro-batches eagerly)
