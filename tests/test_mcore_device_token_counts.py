@@ -205,6 +205,16 @@ def test_each_refusal_leaves_megatrons_methods(cuda_calls, change, reason):
     assert not any(m in layer.token_dispatcher.__dict__ for m in device_token_counts._PATCHED)
 
 
+def test_a_full_iteration_graph_keeps_the_counts_on_the_gpu(cuda_calls):
+    """cuda_graph_impl="full_iteration": the counts are made and read inside one graph, so the layers take it (the
+    per-layer graphs "local" and "transformer_engine" do not: refused above)."""
+    gpt = _gpt()
+    for layer in gpt.decoder.layers:
+        layer.mlp.token_dispatcher.config.cuda_graph_impl = "full_iteration"
+    got = mcore.keep_token_counts_on_device(gpt)
+    assert got and all(reason is None for reason in got.values()), got
+
+
 def test_megatrons_own_experts_and_other_dispatchers_are_left_alone(cuda_calls):
     gpt = _gpt(mode=None)  # Megatron's experts (SequentialMLP in the local spec): counts on the host
     got = mcore.keep_token_counts_on_device(gpt)

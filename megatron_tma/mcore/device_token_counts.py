@@ -75,9 +75,10 @@ def refusal(layer) -> Optional[str]:
         return "token dropping (moe_expert_capacity_factor): the dispatcher sizes its output on the host"
     if getattr(config, "moe_router_padding_for_quantization", False):
         return "moe_router_padding_for_quantization: the dispatcher sizes its output on the host"
-    if (getattr(config, "cuda_graph_impl", "none") or "none") != "none":
-        # A captured dispatcher hands out graph buffers as the counts, which a later replay may overwrite while an
-        # eager consumer still reads them; Megatron's own graph path has its own D2H point. Not changed.
+    if (getattr(config, "cuda_graph_impl", "none") or "none") not in ("none", "full_iteration"):
+        # Per-layer graphs: a captured dispatcher hands out graph buffers as the counts, which a later replay may
+        # overwrite while an eager consumer still reads them; Megatron's own graph path has its own D2H point. Not
+        # changed. A full-iteration graph holds the counts' producer and every reader of them in one graph.
         return f"cuda_graph_impl={config.cuda_graph_impl!r}: left to Megatron's CUDA-graph handling"
     if not (_is_identity(dispatcher.sort_input_by_local_experts)
             and _is_identity(dispatcher.restore_output_by_local_experts)):

@@ -77,11 +77,19 @@ def recompute_settings(args):
     return {}
 
 
+def seed_rng_trackers(args, seed):
+    """Megatron's model-parallel RNG trackers from `seed`; graph-safe ones (torch Generators, which a CUDA graph can
+    register and a captured `fork()` can use) in a job with --cuda-graph-impl, for every mode of it, so that all of
+    them draw the same weights the same way (as Megatron-LM: use_cudagraphable_rng when a graph impl is set)."""
+    graphs = args.cuda_graph_impl != "none"
+    mc.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graphs, force_reset_rng=graphs)
+
+
 def build(args, mode):
     """Model chunks (GPT + Float16Module + DDP: one, or --vpp with interleaving) and the optimizer over them, with
     the experts of `mode`, from the run's seed."""
     torch.manual_seed(args.seed)
-    mc.model_parallel_cuda_manual_seed(args.seed)
+    seed_rng_trackers(args, args.seed)
     config = mc.TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, num_moe_experts=args.experts, moe_router_topk=args.topk,
@@ -111,7 +119,7 @@ def build(args, mode):
                                 max_sequence_length=args.seq_len, position_embedding_type="rope",
                                 pre_process=first, post_process=last, vp_stage=vp).cuda())
     if mode in MEGATRONS_OWN:
-        redraw_megatron_experts(gpts, config, args.seed)
+        redraw_megatron_experts(args, gpts, config)
     # as Megatron-LM: the chunks after the first keep all their parameters in one bucket; with the full-iteration
     # graph DDP is built on the capture stream, as Megatron-LM does, so that the AccumulateGrad nodes it keeps do not
     # name a stream the capture does not run on
@@ -142,13 +150,13 @@ def expert_weights_of(experts, name):
     return [getattr(linear, f"weight{i}") for i in range(experts.num_local_experts)]
 
 
-def redraw_megatron_experts(gpts, config, seed):
+def redraw_megatron_experts(args, gpts, config):
     """Give Megatron's own experts (SequentialMLP, or TEGroupedMLP under TE's spec) the initial weights megatron_tma's
     experts draw: from the freshly seeded expert-parallel RNG state, chunk by chunk and layer by layer (the order
     they were built in), every expert's fc1 then every expert's fc2 (Megatron's experts draw expert by expert, and
     TE's GroupedLinear in its own RNG order). The dense layers are already built; re-seeding only restarts the
     tracker's streams."""
-    mc.model_parallel_cuda_manual_seed(seed)
+    seed_rng_trackers(args, args.seed)
     with torch.no_grad(), mc.get_cuda_rng_tracker().fork(mc.get_expert_parallel_rng_tracker_name()):
         for layer in (layer for gpt in gpts for layer in gpt.decoder.layers):
             experts = getattr(getattr(layer, "mlp", None), "experts", None)

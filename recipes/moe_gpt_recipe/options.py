@@ -300,7 +300,13 @@ def cuda_graph_refusal(args):
                 "host and waits for them, which no graph can capture: add --device-token-counts or "
                 "--permute-in-experts")
     for flag, asked in (("--defer-expert-wgrad", args.defer_expert_wgrad), ("--pp", args.pp != 1),
-                        ("--profile-step", args.profile_step is not None)):
+                        ("--ep", args.ep not in (None, 1)), ("--etp", args.etp != 1),  # (the counts go to the host)
+                        ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
+                        ("--overlap-grad-reduce", args.overlap_grad_reduce),
+                        ("--overlap-param-gather", args.overlap_param_gather),
+                        ("--profile-step", args.profile_step is not None),
+                        # (the graph-safe RNG trackers are torch Generators: their checkpoint not tried yet)
+                        ("--save", args.save is not None), ("--load", args.load is not None)):
         if asked:
             return f"--cuda-graph-impl full_iteration does not take {flag} yet"
     if args.steps <= args.cuda_graph_warmup_steps:

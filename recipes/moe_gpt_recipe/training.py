@@ -61,6 +61,9 @@ def train(args, mode, rank, batches, eager=False):
     torch.cuda.reset_peak_memory_stats()
     models, optimizer = build(args, mode)
     counts_on_device = device_token_counts(args, mode, models, rank)
+    if graphed(args, mode) and any(reason is not None for reason in (counts_on_device or {}).values()):
+        raise SystemExit(f"{mode}: --cuda-graph-impl full_iteration needs every MoE layer's counts on the GPU (a host "
+                         f"read cannot be captured); not taken: {counts_on_device}")
     steps_counted = mcore_experts._optimizer_steps
     start, progress = resume(args, mode, models, optimizer)
     if not eager:  # (the eager twin saves nothing)
@@ -82,7 +85,8 @@ def train(args, mode, rank, batches, eager=False):
     for step in range(start, args.steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        timer.start(step >= args.steps - args.experts_share_steps and not graph)  # (no events inside a replay)
+        # no CUDA events inside a replay; nor in the eager twin of a graphed mode, whose times it is compared with
+        timer.start(step >= args.steps - args.experts_share_steps and not graphed(args, mode))
         profiler = None
         if step == args.profile_step:
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
