@@ -12,8 +12,8 @@ calls the op once (megatron_tma.quant, .gemm, .activation, .permutation, .paddin
 `backend="reference"`, which runs the reference on tensors of any device (the tests check the CUDA kernels against
 it on the GPU): `kernel(name, reference=True)` hands back the CPU kernel itself, to call directly.
 
-The schemas are the bindings' C++ signatures. The ops that fill a caller's buffer (`*_out`, `unpad_rows_bf16`) mark
-it `Tensor(a!)` and return nothing, so torch.compile functionalizes them. No op reads a device tensor on the host on
+The schemas are the bindings' C++ signatures. The ops that fill a caller's buffer (`*_out`, `unpad_rows_bf16`,
+`quantize_128x128_refresh`) mark it `Tensor(a!)` and return nothing, so torch.compile functionalizes them. No op reads a device tensor on the host on
 the CUDA path; the reference kernels do read the group sizes (on the CPU that is free), which is also where they
 check them. The two tile queries (`m_grouped_fp8_gemm_tile`, `k_grouped_fp8_gemm_tile`: host ints in and out, the
 launchers' choice) are no device ops: the extension defines and implements them itself.
