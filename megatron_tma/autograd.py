@@ -77,7 +77,8 @@ def transposed_weights(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, 
     W's transposed (quantize_128x128 writes both from one read), so dgrad's operand can be made from the forward's
     copy, bit for bit, when it is not kept (`keep_transposed_weight=False`: a 1-byte transpose in backward instead of
     W^T held from the forward to its layer's backward). Torch's strided byte copy (the reference's transposes) on every
-    device for now: it added ~4 ms a backward on Qwen3-30B-A3B's 128-expert layer (H100); the `transpose_128x128` op's
+    device for now: it added ~4 ms a backward on Qwen3-30B-A3B's 128-expert layer (H100, c0bccf6:
+    benchmarks/results/mlp_layer_micro_batches-20261206-1518-transpose-in-backward.json); the `transpose_128x128` op's
     CUDA kernel (one pass, 2 bytes of traffic per weight) takes over once its GPU tests have run
     (tests/test_quant_gpu.py::test_transpose_128x128_*)."""
     return ops.kernel("transpose_128x128", reference=True)(q, s)

@@ -2,9 +2,8 @@
 
 `FP8WeightCache` decides on the host (pointers, version counters, the optimizer-step stamp) whether the weights
 changed; a CUDA graph replays none of that host code, so a captured forward either re-quantizes the weights on every
-replay (the weight pass in every micro-batch: on Qwen3-30B-A3B's 128-expert layer about a third of the layer's FP8
-time) or reads copies that go stale after the next optimizer step. `StepRefreshedWeights` moves the decision onto the
-device:
+replay (the weight pass in every micro-batch) or reads copies that go stale after the next optimizer step.
+`StepRefreshedWeights` moves the decision onto the device:
 
 * one int64 counter per device (`optimizer_step_counter`), incremented by a kernel after every torch optimizer step
   (the same global step hook that moves the host stamp; a step captured in a graph captures the increment too);
@@ -148,7 +147,7 @@ class StepRefreshedWeights:
                 self._watch = _collective_writes.watch((stacked,) if is_view else weights)
         refresh = ops.kernel("quantize_128x128_refresh", backend == "reference")
         with torch.no_grad():
-            refresh(stacked.detach(), pow2, buffers.q, buffers.s, buffers.qt, buffers.st,
+            refresh(stacked, pow2, buffers.q, buffers.s, buffers.qt, buffers.st,
                     optimizer_step_counter(stacked.device), buffers.done)
         return autograd.QuantizedWeights(buffers.q, buffers.s, buffers.qt, buffers.st)
 
