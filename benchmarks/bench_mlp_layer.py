@@ -49,6 +49,7 @@ from megatron_tma import testing  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma import weight_refresh  # noqa: E402
 from megatron_tma.mlp import WEIGHT_LAYOUTS, GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
+from megatron_tma.released_weights import held_copies, restore_bf16_weights  # noqa: E402
 
 MODELS = {  # name: (hidden H, expert ffn F, local experts G)
     "deepseek_v3": (7168, 2048, (8, 32)),
@@ -96,11 +97,20 @@ class Step:
     def __init__(self, module, x, sizes, probs, dy, requantize):
         self.module, self.x, self.sizes, self.probs, self.dy = module, x, sizes, probs, dy
         self.requantize = requantize and hasattr(module, "invalidate_weight_cache")
+        # release_bf16_weights: the weights come back at each step from a copy held here, as an optimizer's copy of
+        # its masters writes them (outside the layer's bytes, as the optimizer's masters are for every method)
+        releases = getattr(getattr(module, "linear_fc1", None), "release_bf16_weights", False)
+        self.masters = [p.detach().clone() for p in module.parameters()] if releases and self.requantize else None
 
     def reset(self):
         self.x.grad = self.probs.grad = None
         self.module.zero_grad(set_to_none=True)
-        if self.requantize:
+        if self.masters is not None:
+            params = list(self.module.parameters())
+            restore_bf16_weights(params)
+            with torch.no_grad():
+                torch._foreach_copy_(params, self.masters)
+        elif self.requantize:
             self.module.invalidate_weight_cache()
 
     def __call__(self):
@@ -117,10 +127,12 @@ class Step:
         """What the layer holds between steps, after `reset`: its parameters, and the FP8 weight copies its caches
         keep (none when the step re-quantizes; with cached weights, W's and, unless `keep_transposed_weight=False`,
         W^T's)."""
-        held = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        # the parameters' memory as allocated (released BF16 weights hold none), each storage once
+        held = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                    for p in self.module.parameters()}.values())
         held += sum(p.main_grad.numel() * 4 for p in self.module.parameters() if hasattr(p, "main_grad"))
         for m in self.module.modules():
-            value = m.weight_cache._value if hasattr(m, "weight_cache") else None
+            value = held_copies(m.weight_cache) if hasattr(m, "weight_cache") else None
             held += sum(t.numel() * t.element_size() for t in (value or ()) if t is not None)
         return held
 
@@ -283,11 +295,11 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
 
 
 def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True,
-               keep_transposed_weight=True, micro_batches=1, defer_wgrad=False):
+               keep_transposed_weight=True, micro_batches=1, defer_wgrad=False, release_bf16_weights=False):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
     fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight,
-           "defer_wgrad": defer_wgrad}
+           "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights}
     ours = GroupedFP8MLP(G, H, F, "swiglu", **fp8)
     padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, **fp8)
     bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
@@ -309,7 +321,7 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
            "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
            "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight,
-           "micro_batches": micro_batches, "defer_wgrad": defer_wgrad}
+           "micro_batches": micro_batches, "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights}
 
     times = common.bench_blocks(steps, iters=iters)  # each step timed after its own kind (see bench_blocks)
     for name in METHODS:
@@ -449,6 +461,10 @@ def main():
     ap.add_argument("--defer-wgrad", action="store_true",
                     help="with --micro-batches: the FP8 modules compute their weight gradients once a step "
                          "(defer_wgrad=True, one flush after the last micro-batch)")
+    ap.add_argument("--release-bf16-weights", action="store_true",
+                    help="the FP8 modules free their BF16 weights after the step's first forward has quantized them "
+                         "(release_bf16_weights=True, megatron_tma.released_weights); each step first writes them "
+                         "back from a copy, as an optimizer would, inside the timed step. Eager only (no graphs)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                     help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)
@@ -456,6 +472,9 @@ def main():
     args = ap.parse_args()
     if args.micro_batches < 1 or (args.defer_wgrad and args.micro_batches < 2):
         ap.error("--micro-batches must be >= 1, and --defer-wgrad needs >= 2 of them (one step's weight gradients)")
+    if args.release_bf16_weights and not args.no_graphs:
+        ap.error("--release-bf16-weights: a layer that frees and re-allocates its weights is not captured; add "
+                 "--no-graphs")
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
@@ -464,7 +483,7 @@ def main():
         row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
                          weight_layout=args.weight_layout, graphs=not args.no_graphs,
                          keep_transposed_weight=not args.transpose_in_backward, micro_batches=args.micro_batches,
-                         defer_wgrad=args.defer_wgrad)
+                         defer_wgrad=args.defer_wgrad, release_bf16_weights=args.release_bf16_weights)
         rows.append(row)
         print(f"[{n + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
@@ -479,6 +498,7 @@ def main():
         " --transpose-in-backward" if args.transpose_in_backward else "") + (
         f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "") + (
         " --defer-wgrad" if args.defer_wgrad else "") + (
+        " --release-bf16-weights" if args.release_bf16_weights else "") + (
         f" --models {' '.join(args.models)}" if args.models else "")
     # A step of several micro-batches is another regime than the issues' one-pass rows: its own series of results
     name = "mlp_layer_micro_batches" if args.micro_batches > 1 else "mlp_layer"

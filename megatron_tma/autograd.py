@@ -76,12 +76,10 @@ def transposed_weights(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, 
     """(qt, st) from (q, s): with one scale per 128x128 block, W^T's FP8 copy is W's bytes transposed and its scales
     W's transposed (quantize_128x128 writes both from one read), so dgrad's operand can be made from the forward's
     copy, bit for bit, when it is not kept (`keep_transposed_weight=False`: a 1-byte transpose in backward instead of
-    W^T held from the forward to its layer's backward). Torch's strided byte copy (the reference's transposes) on every
-    device for now: it added ~4 ms a backward on Qwen3-30B-A3B's 128-expert layer (H100, c0bccf6:
-    benchmarks/results/mlp_layer_micro_batches-20261206-1518-transpose-in-backward.json); the `transpose_128x128` op's
-    CUDA kernel (one pass, 2 bytes of traffic per weight) takes over once its GPU tests have run
-    (tests/test_quant_gpu.py::test_transpose_128x128_*)."""
-    return ops.kernel("transpose_128x128", reference=True)(q, s)
+    W^T held from the forward to its layer's backward). The `transpose_128x128` op: on a GPU its CUDA kernel (one pass,
+    2 bytes of traffic per weight; torch's strided byte copy, which it replaced, added ~4 ms a backward on
+    Qwen3-30B-A3B's 128-expert layer), on the CPU the reference's transposes."""
+    return ops.kernel("transpose_128x128")(q, s)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -45,6 +45,11 @@ after an optimizer step (megatron_tma.weight_refresh): a CUDA graph of the layer
 step without the weight pass, and a replay after a step re-quantizes, with no host check at replay. Run one eager
 forward before capturing (the buffers are made there).
 
+`release_bf16_weights=True` frees the BF16 weights' memory once the first training forward of a step has quantized
+them, and holds the FP8 copies until the optimizer writes new weights (megatron_tma.released_weights): 2 bytes per
+weight across the forward and backward instead of 4. It needs an optimizer with FP32 masters that rewrites them
+(Megatron's mixed-precision one, `released_weights.attach_optimizer`); eager only.
+
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the
 padding rows are dropped at the end. Zero rows quantize to zero, so this is exactly the padded GEMM layout of
@@ -78,6 +83,7 @@ from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 from .permutation import Permutation, check_permutation, combine_rows, gather_rows
+from .released_weights import ReleasedBF16Weights, is_released, restore_bf16_weights
 from .weight_refresh import StepRefreshedWeights
 from .wgrad_deferral import WgradDeferral
 
@@ -163,6 +169,10 @@ class _GroupedWeights(nn.Module):
     # under `weight` (in place of the G expert entries) loads as those G entries.
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if any(is_released(w) for w in self.weights):
+            raise RuntimeError(f"{prefix or 'the layer'}: the BF16 expert weights are released (release_bf16_weights: "
+                               "held in FP8 from the first training forward to the optimizer step); save the state "
+                               "dict after the optimizer step, as Megatron does")
         if self.weight_layout == "per_expert":
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         weight = self.weight if keep_vars else self.weight.detach()
@@ -211,6 +221,7 @@ class _GroupedWeights(nn.Module):
         parameter."""
         swap = torch.__future__.get_swap_module_params_on_conversion()
         params = self.weights
+        restore_bf16_weights(params)  # released weights get their memory back, written next (and the FP8 copies go)
         if self.weight_layout == "per_expert":
             jobs = [(name, p, v, key) for name, p, v, key in zip(self._weight_names, params, values, keys)]
         elif assign or swap:  # one [G, N, K] parameter made of the G tensors
@@ -265,7 +276,7 @@ class GroupedFP8Linear(_GroupedWeights):
     def __init__(self, num_groups, in_features, out_features, *, backend: str = "auto", pow2_scales: bool = False,
                  weight_layout: str = "stacked", device=None, init_method=None,
                  keep_transposed_weight: bool = True, defer_wgrad: bool = False,
-                 step_refreshed_weights: bool = False):
+                 step_refreshed_weights: bool = False, release_bf16_weights: bool = False):
         # What the FP8 GEMMs take, checked here rather than at the first forward (or, for the group count, at the
         # first backward on a GPU): the same rules on every backend (megatron_tma.limits).
         check_num_experts(num_groups, "num_groups")
@@ -283,6 +294,11 @@ class GroupedFP8Linear(_GroupedWeights):
         check_bool(keep_transposed_weight, "keep_transposed_weight")
         check_bool(defer_wgrad, "defer_wgrad")
         check_bool(step_refreshed_weights, "step_refreshed_weights")
+        check_bool(release_bf16_weights, "release_bf16_weights")
+        if release_bf16_weights and step_refreshed_weights:
+            raise ValueError("release_bf16_weights and step_refreshed_weights exclude each other: the refreshed "
+                             "buffers serve CUDA graphs, which a layer that frees and re-allocates its BF16 weights "
+                             "cannot be captured in")
         self.backend, self.pow2_scales = backend, pow2_scales
         # True: backward keeps the weight gradient's FP8 operands and flush_wgrad() computes all of them in one GEMM
         # (megatron_tma.wgrad_deferral: one pass over main_grad a step instead of one a micro-batch)
@@ -292,6 +308,9 @@ class GroupedFP8Linear(_GroupedWeights):
         self.keep_transposed_weight = keep_transposed_weight
         # StepRefreshedWeights: fixed buffers, refreshed by a kernel that skips unless an optimizer step came since
         self.step_refreshed_weights = step_refreshed_weights
+        # ReleasedBF16Weights: the BF16 weights' memory freed from the first training forward to the optimizer step,
+        # which writes them back (megatron_tma.released_weights)
+        self.release_bf16_weights = release_bf16_weights
         self.weight_cache = self._new_cache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward
         # Under CUDA-graph capture the forward quantizes the weights inside the graph, so that every replay reads
@@ -302,11 +321,16 @@ class GroupedFP8Linear(_GroupedWeights):
         self.graph_reuses_cached_weights = False
 
     def _new_cache(self):
+        if self.release_bf16_weights:
+            return ReleasedBF16Weights(FP8WeightCache())
         return StepRefreshedWeights() if self.step_refreshed_weights else FP8WeightCache()
 
     def _replicate_for_data_parallel(self):
         # nn.DataParallel's replicas are shallow copies of this module (its __dict__ copied): each gets a cache of
         # its own, since it holds its device's copies of the weights and runs in a thread of its own.
+        if self.release_bf16_weights:
+            raise RuntimeError("release_bf16_weights: nn.DataParallel's replicas share the weights whose memory the "
+                               "layer frees; build the layer without it")
         replica = super()._replicate_for_data_parallel()
         replica.weight_cache = self._new_cache()
         if self.wgrad_deferral is not None:
@@ -322,6 +346,9 @@ class GroupedFP8Linear(_GroupedWeights):
 
     def _cache(self) -> Optional[Union[FP8WeightCache, StepRefreshedWeights]]:
         if torch.compiler.is_compiling():  # no cache in a compiled graph (autograd.quantized_weights says why)
+            if self.release_bf16_weights:
+                raise RuntimeError("release_bf16_weights: an eager-only layer (a compiled graph quantizes the weights "
+                                   "on every call, which their released memory cannot serve)")
             return None
         if self.step_refreshed_weights:
             # Megatron's flag, eagerly: weights may have been written outside an optimizer step (a checkpoint load).
@@ -446,7 +473,7 @@ class GroupedFP8MLP(_GroupedMLP):
                  weight_layout: str = "stacked", device=None,
                  init_method: Optional[Callable[[torch.Tensor], None]] = None, recompute_activation: bool = False,
                  keep_transposed_weight: bool = True, defer_wgrad: bool = False,
-                 step_refreshed_weights: bool = False):
+                 step_refreshed_weights: bool = False, release_bf16_weights: bool = False):
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be None, 16 or 128, got {pad_to!r}")
         check_num_experts(num_experts)  # the weight-gradient GEMM's limit (megatron_tma.limits), on every backend
@@ -460,7 +487,8 @@ class GroupedFP8MLP(_GroupedMLP):
         linear = functools.partial(GroupedFP8Linear, backend=backend, pow2_scales=pow2_scales,
                                    weight_layout=weight_layout, device=device, init_method=init_method,
                                    keep_transposed_weight=keep_transposed_weight, defer_wgrad=defer_wgrad,
-                                   step_refreshed_weights=step_refreshed_weights)
+                                   step_refreshed_weights=step_refreshed_weights,
+                                   release_bf16_weights=release_bf16_weights)
         super().__init__(num_experts, hidden_size, ffn_hidden_size, activation, linear, backend)
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")

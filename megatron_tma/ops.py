@@ -47,7 +47,7 @@ def _define(schema: str, cpu: Callable, fake: Callable) -> None:
         _LIB.impl(name, cpu_kernel, "CUDA")
     torch.library.register_fake(f"megatron_tma::{name}", fake, lib=_LIB)
     _OPS[name] = getattr(torch.ops.megatron_tma, name).default  # the overload: no attribute chain per call
-    _REFERENCE[name] = cpu
+    _REFERENCE[name] = cpu_kernel  # (disabled too: backend="reference" under torch.compile runs it opaque)
 
 
 def kernel(name: str, reference: bool = False) -> Callable:

@@ -1042,6 +1042,37 @@ def test_the_refresh_flag_gives_step_refreshed_weights_with_the_same_bits(gen):
         megatron_experts(4, config, backend="reference")
 
 
+def test_the_release_flag_gives_released_bf16_weights(gen):
+    """config.moe_megatron_tma_release_bf16_weights (unset: False) -> both FP8 linears free their BF16 weights after
+    a training forward (megatron_tma.released_weights); the experts' output is the default experts' bits, and
+    together with the refresh flag it is refused by the module with both names."""
+    from megatron_tma import released_weights
+
+    config = make_config()
+    plain = megatron_experts(4, config, backend="reference")
+    setattr(config, mcore.RELEASE_FLAG, True)
+    released = megatron_experts(4, config, backend="reference")
+    assert isinstance(released.linear_fc1.weight_cache, released_weights.ReleasedBF16Weights)
+    released.load_state_dict(plain.state_dict())
+    x = torch.randn(100, config.hidden_size, generator=gen).bfloat16()
+    sizes, probs = torch.tensor([30, 0, 50, 20]), torch.rand(100, generator=gen)
+    outs = []
+    for m in (plain, released):
+        xi = x.clone().requires_grad_()
+        out, _ = m(xi, sizes, probs)
+        out.sum().backward()
+        outs.append([out, xi.grad])
+    assert all(torch.equal(u, v) for u, v in zip(*outs))
+    assert all(released_weights.is_released(w) for w in released.parameters())
+    assert not any(released_weights.is_released(w) for w in plain.parameters())
+    setattr(config, mcore.REFRESH_FLAG, True)
+    with pytest.raises(ValueError, match="release_bf16_weights and step_refreshed_weights exclude each other"):
+        megatron_experts(4, config, backend="reference")
+    setattr(config, mcore.RELEASE_FLAG, "yes")
+    with pytest.raises(TypeError, match="moe_megatron_tma_release_bf16_weights must be a bool"):
+        megatron_experts(4, config, backend="reference")
+
+
 @pytest.mark.skipif(not __import__("megatron_tma")._ext.cuda_kernels_available(),
                     reason="needs an sm_90 GPU and the built extension")
 def test_pipeline_warm_up_holds_one_fp8_copy_on_the_gpu():

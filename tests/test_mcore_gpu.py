@@ -57,6 +57,20 @@ def test_recipe_with_megatrons_recompute_trains_the_same_bits(tmp_path):
         _assert_same_bits(plain, path, 2, name)
 
 
+def test_recipe_with_released_bf16_expert_weights(tmp_path):
+    """--release-bf16-expert-weights (megatron_tma.released_weights) under Megatron's own mixed-precision optimizer
+    (ChainedOptimizer of Float16OptimizerWithFloat16Params, the BF16 expert weights freed from each step's first
+    forward to its copy of the FP32 main params) over 3 micro-batches: the same training bits as without, in both
+    modes, and no more peak memory (the peak may lie at the optimizer step, where both hold the BF16 weights)."""
+    args = ("--steps", "6", "--micro-batches", "3", "--modes", "unpadded", "padded16")
+    plain, plain_result = recipe(tmp_path / "plain", *args)
+    path, result = recipe(tmp_path / "released", *args, "--release-bf16-expert-weights")
+    assert result["summary"]["padded16"]["bitexact_params"]
+    _assert_same_bits(plain, path, 2, "released")
+    for mode in ("unpadded", "padded16"):
+        assert result["summary"][mode]["peak_mb"] <= plain_result["summary"][mode]["peak_mb"], mode
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_recipe_with_deferred_expert_wgrads(tmp_path, overlap):
     """--defer-expert-wgrad: the experts' weight gradients of 3 micro-batches in one GEMM per linear in the last

@@ -180,6 +180,18 @@ def test_cuda_graph_options(recipe, capsys):
         assert e.value.code == 2 and why in capsys.readouterr().err, bad
 
 
+def test_release_option_refuses_what_it_cannot_serve(recipe, capsys):
+    """--release-bf16-expert-weights: only with the plain optimizer, eagerly, without the refreshed buffers; each
+    refusal one line naming the other option."""
+    parse = recipe.options.parse_args
+    assert parse(["--release-bf16-expert-weights"]).release_bf16_expert_weights
+    for other in (["--distributed-optimizer"], ["--step-refreshed-weights"],
+                  ["--cuda-graph-impl", "full_iteration", "--permute-in-experts"]):
+        with pytest.raises(SystemExit) as e:
+            parse(["--release-bf16-expert-weights", *other])
+        assert e.value.code == 2 and f"does not take {other[0]}" in capsys.readouterr().err, other
+
+
 def test_graphed_vs_eager_head_to_head(recipe):
     run = lambda times, losses: {"times": times, "losses": losses, "grad_norms": [1.0] * len(losses),  # noqa: E731
                                  "param_digests": {"w": "x"}, "peak_mb": 10.0}

@@ -21,7 +21,7 @@ The recipe that trains a small MoE GPT with each mode under torchrun and compare
 """
 import importlib
 
-from .config import CONFIG_FLAG, MODES, REFRESH_FLAG, TRANSPOSE_FLAG, ExpertMLPArgs, expert_mlp_args, from_sequential_mlp_key, pad_to_of
+from .config import CONFIG_FLAG, MODES, REFRESH_FLAG, RELEASE_FLAG, TRANSPOSE_FLAG, ExpertMLPArgs, expert_mlp_args, from_sequential_mlp_key, pad_to_of
 from .device_token_counts import keep_token_counts_on_device
 from .experts_permutation import permute_in_experts
 from .experts import MegatronBF16Experts, MegatronFP8Experts, invalidate_fp8_weights, megatron_experts
@@ -30,7 +30,7 @@ from .wgrad_deferral import defer_expert_wgrads
 __all__ = ["MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key", "megatron_experts",
            "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights", "keep_token_counts_on_device",
            "permute_in_experts", "defer_expert_wgrads",
-           "CONFIG_FLAG", "TRANSPOSE_FLAG", "REFRESH_FLAG", "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec",
+           "CONFIG_FLAG", "TRANSPOSE_FLAG", "REFRESH_FLAG", "RELEASE_FLAG", "use_megatron_tma_experts", "layer_spec_from_config", "megatron_lm_spec",
            "replace_experts"]
 
 _LAZY = {"use_megatron_tma_experts": "spec", "layer_spec_from_config": "spec", "megatron_lm_spec": "spec",

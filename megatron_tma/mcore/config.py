@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["CONFIG_FLAG", "TRANSPOSE_FLAG", "REFRESH_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
+__all__ = ["CONFIG_FLAG", "TRANSPOSE_FLAG", "REFRESH_FLAG", "RELEASE_FLAG", "MODES", "ExpertMLPArgs", "expert_mlp_args", "pad_to_of", "from_sequential_mlp_key"]
 
 # The experts a Megatron layer spec can be given (megatron_tma.mcore.spec): the unpadded FP8 MLP, its padded twin
 # (every expert's tokens padded to 16 or 128 rows, the same FP8 Functions: the bit-exactness oracle), and the same
@@ -25,6 +25,10 @@ TRANSPOSE_FLAG = "moe_megatron_tma_transpose_weights_in_backward"
 # kernel refreshes on the device after each optimizer step (megatron_tma.mlp's step_refreshed_weights=True): what
 # lets a CUDA graph of the MoE layer replay micro-batches 2..N of a step without the weight pass.
 REFRESH_FLAG = "moe_megatron_tma_step_refreshed_weights"
+# A TransformerConfig attribute, bool (unset: False): the FP8 experts free their BF16 weights' memory from the first
+# training forward of a step to the optimizer's copy of its FP32 main params into them (megatron_tma.mlp's
+# release_bf16_weights=True; attach the optimizer with megatron_tma.released_weights.attach_optimizer).
+RELEASE_FLAG = "moe_megatron_tma_release_bf16_weights"
 
 
 class ExpertMLPArgs(NamedTuple):

@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import check_backend, warn_if_reference_on_gpu
 from ..activation import GATED
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP, capturing
-from .config import REFRESH_FLAG, TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
+from .config import REFRESH_FLAG, RELEASE_FLAG, TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
 
@@ -370,10 +370,12 @@ def megatron_experts(num_local_experts: int, config, *, pg_collection=None, name
     if mode == "bf16":
         module = MegatronBF16Experts(num_local_experts, *args, backend=backend, device=device)
     else:
-        transpose, refresh = (_bool_flag(config, flag) for flag in (TRANSPOSE_FLAG, REFRESH_FLAG))
+        transpose, refresh, release = (_bool_flag(config, flag) for flag in (TRANSPOSE_FLAG, REFRESH_FLAG,
+                                                                             RELEASE_FLAG))
         module = MegatronFP8Experts(num_local_experts, *args, pad_to=pad_to, backend=backend, device=device,
                                     recompute_activation=_recomputes_activation(config),
-                                    keep_transposed_weight=not transpose, step_refreshed_weights=refresh)
+                                    keep_transposed_weight=not transpose, step_refreshed_weights=refresh,
+                                    release_bf16_weights=release)
     module._setup_for_megatron(config)
     module._pg_collection = pg_collection  # the expert process groups, for the distributed checkpoint
     return module

@@ -6,8 +6,9 @@ import re
 import torch
 import torch.nn.functional as F
 
-from megatron_tma.mcore import (CONFIG_FLAG, REFRESH_FLAG, TRANSPOSE_FLAG, defer_expert_wgrads,
+from megatron_tma.mcore import (CONFIG_FLAG, REFRESH_FLAG, RELEASE_FLAG, TRANSPOSE_FLAG, defer_expert_wgrads,
                                 from_sequential_mlp_key, megatron_experts)
+from megatron_tma.released_weights import attach_optimizer
 
 from . import megatron_core as mc
 from .options import MEGATRONS_OWN, graphed
@@ -109,6 +110,7 @@ def build(args, mode):
     setattr(config, CONFIG_FLAG, None if mode in MEGATRONS_OWN else mode)
     setattr(config, TRANSPOSE_FLAG, args.transpose_weights_in_backward)
     setattr(config, REFRESH_FLAG, args.step_refreshed_weights)
+    setattr(config, RELEASE_FLAG, args.release_bf16_expert_weights)
     spec = mc.layer_spec_from_config(base_layer_spec(args), config)
     gpts = []
     for vp in range(args.vpp) if args.vpp else [None]:
@@ -138,6 +140,8 @@ def build(args, mode):
         mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
                            bf16=True, use_distributed_optimizer=args.distributed_optimizer),
         models)
+    if args.release_bf16_expert_weights:  # the optimizer gives released expert weights their memory back first
+        attach_optimizer(optimizer)
     return models, optimizer
 
 

@@ -168,6 +168,11 @@ def parse_args(argv=None):
                    help="megatron_tma's FP8 modes keep their weight copies in fixed buffers that a kernel refreshes on "
                         "the GPU after each optimizer step (config.moe_megatron_tma_step_refreshed_weights: what lets "
                         "a CUDA graph replay later micro-batches without the weight pass; the same bits)")
+    p.add_argument("--release-bf16-expert-weights", action="store_true",
+                   help="megatron_tma's FP8 modes free their BF16 expert weights' memory from each step's first "
+                        "forward to the optimizer's copy of the FP32 main params into them, holding the FP8 copies "
+                        "instead (config.moe_megatron_tma_release_bf16_weights, megatron_tma.released_weights: 2 bytes "
+                        "a weight across forward and backward instead of 4; the same bits). Plain optimizer only")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
@@ -259,6 +264,7 @@ def parse_args(argv=None):
             ("--device-token-counts", args.device_token_counts),
             ("--transpose-weights-in-backward", args.transpose_weights_in_backward),
             ("--step-refreshed-weights", args.step_refreshed_weights),
+            ("--release-bf16-expert-weights", args.release_bf16_expert_weights),
             ("--cuda-graph-impl", args.cuda_graph_impl != "none"),
             ("--defer-expert-wgrad", args.defer_expert_wgrad),
             ("--permute-in-experts", args.permute_in_experts),
@@ -280,7 +286,7 @@ def parse_args(argv=None):
                 "--distributed-optimizer")
     if args.overlap_param_gather and not (args.distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --distributed-optimizer and --overlap-grad-reduce (as in Megatron-LM)")
-    refusal = transformer_impl_refusal(args) or cuda_graph_refusal(args)
+    refusal = transformer_impl_refusal(args) or cuda_graph_refusal(args) or release_refusal(args)
     if refusal:
         p.error(refusal)
     return args
@@ -312,6 +318,19 @@ def cuda_graph_refusal(args):
     if args.steps <= args.cuda_graph_warmup_steps:
         return (f"--steps {args.steps} leaves no graphed step after --cuda-graph-warmup-steps "
                 f"{args.cuda_graph_warmup_steps}")
+    return None
+
+
+def release_refusal(args):
+    """Why --release-bf16-expert-weights does not go with the other options (one line), or None."""
+    if not args.release_bf16_expert_weights:
+        return None
+    for flag, asked in (("--distributed-optimizer", args.distributed_optimizer),  # (one shared parameter buffer)
+                        ("--cuda-graph-impl", args.cuda_graph_impl != "none"),  # (the memory moves when it comes back)
+                        ("--step-refreshed-weights", args.step_refreshed_weights)):
+        if asked:
+            return (f"--release-bf16-expert-weights does not take {flag} (megatron_tma.released_weights: freed BF16 "
+                    "weights come back at the plain optimizer's copy of its FP32 main params, at a new address)")
     return None
 
 

@@ -1,0 +1,157 @@
+"""release_bf16_weights (megatron_tma.released_weights) on the CPU's reference kernels: a layer that frees its BF16
+weights after the first training forward of a step trains the same bits as one that keeps them, under an optimizer
+with FP32 masters shaped like Megatron's `Float16OptimizerWithFloat16Params` (whose CUDA-only constructor the GPU
+recipe test runs: tests/test_mcore_gpu.py); what would read the freed memory is refused with a clear error."""
+import pytest
+import torch
+
+from megatron_tma import _ext
+from megatron_tma import released_weights as rw
+from megatron_tma.mlp import GroupedFP8MLP
+
+G, H, F = 4, 256, 128
+SIZES = torch.tensor([10, 0, 25, 5])
+# the reference kernels on the CPU, and the CUDA kernels where there are some (a GPU frees and re-allocates through
+# the caching allocator: the addresses change, which the FP8 cache's key must see)
+PLACES = [("cpu", "reference"),
+          pytest.param(("cuda", "auto"), marks=pytest.mark.skipif(
+              not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension"))]
+
+
+class MixedPrecisionOptimizer:
+    """Megatron's Float16OptimizerWithFloat16Params' part that `attach_optimizer` touches: FP32 masters made from the
+    BF16 parameters, an inner torch optimizer on the masters, and the copies between them (the names Megatron's)."""
+
+    def __init__(self, params, lr=1e-2):
+        self.float16_groups = [list(params)]
+        self.fp32_from_float16_groups = [[p.detach().float() for p in self.float16_groups[0]]]
+        self.optimizer = torch.optim.Adam(self.fp32_from_float16_groups[0], lr=lr)
+
+    def _copy_main_params_to_model_params(self):
+        for model, main in zip(self.float16_groups[0], self.fp32_from_float16_groups[0]):
+            model.data.copy_(main)
+
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        for model, main in zip(self.float16_groups[0], self.fp32_from_float16_groups[0]):
+            main.data.copy_(model)
+
+    def step(self, skip=False):
+        for model, main in zip(self.float16_groups[0], self.fp32_from_float16_groups[0]):
+            main.grad = model.main_grad.clone()
+            model.main_grad.zero_()
+        if skip:  # Megatron's step on a non-finite gradient: no update, no copy
+            return
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+
+
+def _mlp(release, place=PLACES[0], **kw):
+    device, backend = place
+    torch.manual_seed(0)
+    mlp = GroupedFP8MLP(G, H, F, backend=backend, device=device, release_bf16_weights=release, **kw)
+    for p in mlp.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    return mlp
+
+
+def _storage_bytes(mlp):
+    return [p.untyped_storage().nbytes() for p in mlp.parameters()]
+
+
+def _micro_batch(mlp, x, probs, dy):
+    device = mlp.linear_fc1.weight.device
+    xi = x.to(device).requires_grad_()
+    out, _ = mlp(xi, SIZES.to(device), None if probs is None else probs.to(device))
+    out.backward(dy.to(device))
+    return [out, xi.grad]
+
+
+@pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
+def test_a_released_layer_trains_the_same_bits(gen, place):
+    plain, released = _mlp(False, place), _mlp(True, place)
+    opts = [MixedPrecisionOptimizer(m.parameters()) for m in (plain, released)]
+    assert rw.attach_optimizer(opts[1]) == 1
+    weight_bytes = sum(p.numel() * 2 for p in released.parameters())
+    for step in range(3):
+        for micro in range(2):
+            x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
+            probs = torch.rand(40, generator=gen)
+            got = [_micro_batch(m, x, probs, dy) for m in (plain, released)]
+            assert all(torch.equal(u, v) for u, v in zip(*got)), (step, micro)
+            # from the first forward on, the BF16 memory is gone and the FP8 copies (W, W^T) are what the layer holds
+            assert _storage_bytes(released) == [0, 0] and rw.released_bytes(released) == weight_bytes
+            assert all(rw.is_released(p) for p in released.parameters())
+        for p, q in zip(plain.parameters(), released.parameters()):
+            assert torch.equal(p.main_grad, q.main_grad)
+        for opt in opts:
+            opt.step()
+        # the optimizer's copy gave the memory back and wrote the new weights into it
+        assert _storage_bytes(released) == _storage_bytes(plain) and rw.released_bytes(released) == 0
+        assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), released.parameters()))
+        assert released.linear_fc1.weight_cache._value is None  # the FP8 copies dropped at the step
+
+
+@pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
+def test_evaluation_keeps_the_weights_and_a_skipped_step_the_copies(gen, place):
+    plain, released = _mlp(False, place), _mlp(True, place)
+    opts = [MixedPrecisionOptimizer(m.parameters()) for m in (plain, released)]
+    rw.attach_optimizer(opts[1])
+    x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
+    with torch.no_grad():
+        released(x.to(place[0]), SIZES.to(place[0]))
+    assert not any(rw.is_released(p) for p in released.parameters())  # no training forward: nothing released
+    for skip in (True, False, False):
+        got = [_micro_batch(m, x, None, dy) for m in (plain, released)]
+        assert all(torch.equal(u, v) for u, v in zip(*got))
+        # Megatron's first-micro-batch flag, set while released: the held copies are still the weights
+        released.linear_fc1.is_first_microbatch = released.linear_fc2.is_first_microbatch = True
+        got = [_micro_batch(m, x, None, dy) for m in (plain, released)]
+        assert all(torch.equal(u, v) for u, v in zip(*got))
+        for opt in opts:
+            opt.step(skip=skip)
+        assert rw.is_released(released.linear_fc1.weight) == skip  # a skipped step copies nothing back
+
+
+def test_what_would_read_the_freed_memory_is_refused(gen):
+    released = _mlp(True)
+    opt = MixedPrecisionOptimizer(released.parameters())
+    rw.attach_optimizer(opt)
+    x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
+    _micro_batch(released, x, None, dy)
+    with pytest.raises(RuntimeError, match="save the state dict after the optimizer step"):
+        released.state_dict()
+    sgd = torch.optim.SGD(released.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\) on expert weights whose BF16 memory is released"):
+        sgd.step()
+    with pytest.raises(RuntimeError, match="cannot be reloaded from expert weights"):
+        opt._copy_model_params_to_main_params()
+    # a checkpoint load gives the memory back and writes it: the next forward quantizes what was loaded
+    plain = _mlp(False)
+    released.load_state_dict(plain.state_dict())
+    assert not rw.is_released(released.linear_fc1.weight)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), released.parameters()))
+    assert all(torch.equal(u, v) for u, v in zip(_micro_batch(plain, x, None, dy), _micro_batch(released, x, None, dy)))
+    assert rw.restore_bf16_weights(released.parameters()) == 2  # by hand: both linears
+
+
+def test_the_settings_it_cannot_serve_are_refused(gen):
+    with pytest.raises(ValueError, match="release_bf16_weights and step_refreshed_weights exclude each other"):
+        GroupedFP8MLP(G, H, F, backend="reference", release_bf16_weights=True, step_refreshed_weights=True)
+    with pytest.raises(TypeError, match="release_bf16_weights"):
+        GroupedFP8MLP(G, H, F, backend="reference", release_bf16_weights=1)
+    with pytest.raises(TypeError, match="not Megatron's Float16OptimizerWithFloat16Params"):
+        rw.attach_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    distributed = type("DistributedOptimizer", (MixedPrecisionOptimizer,), {})([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(TypeError, match="DistributedOptimizer is not"):
+        rw.attach_optimizer(type("ChainedOptimizer", (), {"chained_optimizers": [distributed]})())
+    # weights inside a larger buffer (Megatron's distributed optimizer's parameter buffer): freeing it would free more
+    released = _mlp(True)
+    for p in released.parameters():
+        buffer = torch.empty(p.numel() + 128, dtype=p.dtype)
+        buffer[:p.numel()].copy_(p.detach().flatten())
+        p.data = buffer[:p.numel()].view(p.shape)
+    x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
+    with pytest.raises(RuntimeError, match="the only tensors in their storage"):
+        _micro_batch(released, x, None, dy)
+    with pytest.raises(RuntimeError, match="nn.DataParallel's replicas share the weights"):
+        _mlp(True).linear_fc1._replicate_for_data_parallel()
