@@ -26,4 +26,8 @@ preset() {  # $1: the preset, $2: its time limit
   tail -c 3000 "/tmp/p$1.log" > "$OUT/$1.log.tail"
 }
 preset dsv3-like 200 100
+# then the W^T-in-backward layer on the transpose kernel (was torch's strided copy)
+timeout 75 python3 benchmarks/bench_mlp_layer.py --models qwen3_30b_a3b --micro-batches 4 --transpose-in-backward \
+  --no-graphs --out /tmp/bt > /tmp/bt.log 2>&1; stamp "bench transpose rc=$?"; grep -E "^ qwen3" /tmp/bt.log | head -8
+for f in /tmp/bt/*.json; do [ -f "$f" ] && cp "$f" "$OUT/transpose-$(basename "$f")"; done
 preset qwen3-30b 300 60
