@@ -49,7 +49,7 @@ from megatron_tma import testing  # noqa: E402
 from megatron_tma.groups import make_group_sizes  # noqa: E402
 from megatron_tma import weight_refresh  # noqa: E402
 from megatron_tma.mlp import WEIGHT_LAYOUTS, GroupedBF16MLP, GroupedFP8MLP  # noqa: E402
-from megatron_tma.released_weights import held_copies, restore_bf16_weights  # noqa: E402
+from megatron_tma.released_weights import held_copies, write_weights_from_masters  # noqa: E402
 
 MODELS = {  # name: (hidden H, expert ffn F, local experts G)
     "deepseek_v3": (7168, 2048, (8, 32)),
@@ -97,19 +97,20 @@ class Step:
     def __init__(self, module, x, sizes, probs, dy, requantize):
         self.module, self.x, self.sizes, self.probs, self.dy = module, x, sizes, probs, dy
         self.requantize = requantize and hasattr(module, "invalidate_weight_cache")
-        # release_bf16_weights: the weights come back at each step from a copy held here, as an optimizer's copy of
-        # its masters writes them (outside the layer's bytes, as the optimizer's masters are for every method)
+        # release_bf16_weights: each step writes the weights from FP32 masters held here, as a mixed-precision
+        # optimizer's step does (the FP8 copies straight from them; outside the layer's bytes, as an optimizer's masters
+        # are for every method)
         releases = getattr(getattr(module, "linear_fc1", None), "release_bf16_weights", False)
-        self.masters = [p.detach().clone() for p in module.parameters()] if releases and self.requantize else None
+        self.masters = [p.detach().float() for p in module.parameters()] if releases and self.requantize else None
 
     def reset(self):
         self.x.grad = self.probs.grad = None
         self.module.zero_grad(set_to_none=True)
         if self.masters is not None:
-            params = list(self.module.parameters())
-            restore_bf16_weights(params)
+            rest = write_weights_from_masters(list(self.module.parameters()), self.masters)
             with torch.no_grad():
-                torch._foreach_copy_(params, self.masters)
+                for p, m in rest:
+                    p.copy_(m)
         elif self.requantize:
             self.module.invalidate_weight_cache()
 
@@ -463,8 +464,9 @@ def main():
                          "(defer_wgrad=True, one flush after the last micro-batch)")
     ap.add_argument("--release-bf16-weights", action="store_true",
                     help="the FP8 modules free their BF16 weights after the step's first forward has quantized them "
-                         "(release_bf16_weights=True, megatron_tma.released_weights); each step first writes them "
-                         "back from a copy, as an optimizer would, inside the timed step. Eager only (no graphs)")
+                         "(release_bf16_weights=True, megatron_tma.released_weights); each step first writes their "
+                         "FP8 copies from FP32 masters, as a mixed-precision optimizer's step then does, inside the "
+                         "timed step. Eager only (no graphs)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                     help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)

@@ -83,7 +83,7 @@ from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
 from .padding import padded_row_count_upper_bound
 from .permutation import Permutation, check_permutation, combine_rows, gather_rows
-from .released_weights import ReleasedBF16Weights, is_released, restore_bf16_weights
+from .released_weights import ReleasedBF16Weights, materialize_bf16_weights, restore_bf16_weights
 from .weight_refresh import StepRefreshedWeights
 from .wgrad_deferral import WgradDeferral
 
@@ -169,10 +169,7 @@ class _GroupedWeights(nn.Module):
     # under `weight` (in place of the G expert entries) loads as those G entries.
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if any(is_released(w) for w in self.weights):
-            raise RuntimeError(f"{prefix or 'the layer'}: the BF16 expert weights are released (release_bf16_weights: "
-                               "held in FP8 from the first training forward to the optimizer step); save the state "
-                               "dict after the optimizer step, as Megatron does")
+        materialize_bf16_weights(self.weights)  # released ones written back from their master, or an error
         if self.weight_layout == "per_expert":
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         weight = self.weight if keep_vars else self.weight.detach()

@@ -141,6 +141,8 @@ _define("quantize_1x128(Tensor x, bool pow2=False) -> (Tensor, Tensor)", R.quant
 _define("quantize_128x128(Tensor w, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)", R.quantize_128x128,
         _fake_quantize_128x128)
 _define("transpose_128x128(Tensor q, Tensor s) -> (Tensor, Tensor)", R.transpose_128x128, _fake_transpose_128x128)
+_define("quantize_128x128_from_master(Tensor master, bool pow2=False) -> (Tensor, Tensor, Tensor, Tensor)",
+        R.quantize_128x128_from_master, _fake_quantize_128x128)
 _define("quantize_128x128_refresh(Tensor w, bool pow2, Tensor(a!) q, Tensor(b!) s, Tensor(c!)? qt, Tensor(d!)? st, "
         "Tensor version, Tensor(e!) done) -> ()", _quantize_128x128_refresh, lambda *args: None)
 _define("quantize_grouped_128x1(Tensor x, Tensor groups, int num_groups, bool pow2=False) -> (Tensor, Tensor)",

@@ -34,6 +34,7 @@ from .limits import QUANTIZE_GROUPED_MAX_GROUPS
 __all__ = [
     "quantize_1x128",
     "quantize_128x128",
+    "quantize_128x128_from_master",
     "quantize_grouped_128x1",
     "quantize_1x128_and_grouped_128x1",
     "INPUT_DTYPES",
@@ -107,6 +108,20 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False, *, backend: str = "aut
         return tuple(t[0] for t in quantize(w.unsqueeze(0), pow2))
     q, s, qt, st = quantize(w, pow2)
     return q, s, qt, st
+
+
+def quantize_128x128_from_master(master: torch.Tensor, pow2: bool = False, *, backend: str = "auto"):
+    """`quantize_128x128` of FP32 master weights' BF16 rounding, without making it: the bytes of
+    `quantize_128x128(master.bfloat16())` from one read of the masters (the FP8 weights an optimizer step writes
+    straight from its FP32 masters, megatron_tma.released_weights). master: FP32 ``[G, N, K]``, contiguous, 16-byte
+    aligned, N % 16 == 0 and K % 16 == 0. Returns ``(q, s, qt, st)`` as `quantize_128x128`."""
+    check_tensor(master, "master", (torch.float32,), dim=3)
+    _check_dim16(master.shape[1], "N (dim 1 of master)", "quantize_128x128_from_master")
+    _check_dim16(master.shape[2], "K (dim 2 of master)", "quantize_128x128_from_master")
+    _check_pow2(pow2)
+    _check_aligned_input(master, "master")
+    _ext.check_backend(backend, master.device)
+    return ops.kernel("quantize_128x128_from_master", backend == "reference")(master, pow2)
 
 
 def _check_grouped_args(x, groups, pow2, num_groups, op):

@@ -198,6 +198,13 @@ def quantize_128x128(w: torch.Tensor, pow2: bool = False):
     return q, s, qt, st
 
 
+def quantize_128x128_from_master(master: torch.Tensor, pow2: bool = False):
+    """FP32 master weights [G, N, K] quantized as their BF16 rounding (the copy a mixed-precision optimizer writes into
+    BF16 model weights): `quantize_128x128(master.bfloat16())`, what the CUDA kernel writes without that copy."""
+    check_tensor(master, "master", (torch.float32,), dim=3, contiguous=False)
+    return quantize_128x128(master.to(torch.bfloat16), pow2)
+
+
 def transpose_128x128(q: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """W^T's copy from W's: (q [.., N, K], s [.., N/128, K/128]) -> (qt [.., K, N], st [.., K/128, N/128]), contiguous.
     With one scale per 128x128 block the quantized transpose is the transposed bytes and scales. Always copies (a

@@ -1,30 +1,34 @@
-"""Expert weights held in FP8 only between a step's first forward and the next optimizer step.
+"""Expert weights held in FP8 only: the BF16 copy of the weights freed once quantized, the FP8 copies written from the
+optimizer's FP32 masters.
 
-Under a mixed-precision optimizer the FP32 master weights are the truth and the BF16 parameters are a copy that the
-optimizer rewrites after every step; the FP8 layer reads that copy once per step, to quantize it (W and W^T,
-128x128 blocks), and never again. So a layer built with `release_bf16_weights=True` frees the BF16 parameter's
-memory right after that quantization (the storage is resized to 0 bytes; the parameter object, its shape, its
-`main_grad` and its place in the optimizer stay) and holds the FP8 copies instead; the memory comes back right
-before the optimizer writes the new BF16 weights, when the FP8 copies are dropped. Across the forward and backward
-passes, where the peak of a training step lies, the layer holds 2 bytes per weight (W's and W^T's FP8 copies) where
-it held 4 (the BF16 weights and both copies), as much as a BF16 layer holds; at the optimizer step it holds the BF16
-weights only. The bits are today's: the same kernel quantizes the same BF16 values.
+Under a mixed-precision optimizer the FP32 master weights are the truth and the BF16 parameters a copy that the
+optimizer rewrites after every step; the FP8 layer reads that copy once per step, to quantize it (W and W^T, 128x128
+blocks), and never again. So a layer built with `release_bf16_weights=True` frees the BF16 parameter's memory right
+after its first training forward has quantized it (the storage resized to 0 bytes; the parameter object, its shape,
+its `main_grad` and its place in the optimizer stay) and holds the FP8 copies instead. From then on each optimizer step
+writes the FP8 copies straight from the FP32 master (`quantize_128x128_from_master`: one read of the master, the bytes
+of quantizing its BF16 rounding, i.e. today's bits) instead of writing BF16 weights that the next forward would read
+to quantize: the layer holds 2 bytes per weight (W's and W^T's copies) where it held 4 (the BF16 weights and both
+copies), at the optimizer step too. A layer whose weights are G parameters (`weight_layout="per_expert"`: G masters
+would have to be stacked first) gets its BF16 memory back before the step's copy and quantizes at its next forward.
 
-What may write the released weights back:
+Who writes the weights:
 * Megatron's mixed-precision optimizer (`Float16OptimizerWithFloat16Params`, also inside a `ChainedOptimizer`):
-  `attach_optimizer` makes its copy of the main params into the model restore the released storage first. Its
-  distributed optimizer is refused: its parameters are views of one shared buffer, which no layer may free alone.
-* `load_state_dict` of the layer (restores, then copies the checkpoint in).
-* `restore_bf16_weights(param)` by hand, for an optimizer of one's own that rewrites every element.
-A torch optimizer that holds the BF16 parameter itself (no FP32 master) would step on freed memory: its step raises
-instead (a global pre-step hook), as does saving a state dict while the weights are released (save after the
-optimizer step, as Megatron does). Eager training only: refused under CUDA-graph capture (the storage moves when it
-comes back) and in code torch.compile traces. Steps that an optimizer skips (Megatron's on a non-finite gradient)
-leave the weights released and the FP8 copies valid: the weights did not change.
+  `attach_optimizer` makes its copy of the main params into the model write the released layers' FP8 copies from
+  their masters (its own copy runs on the other parameters). Its distributed optimizer is refused: its parameters
+  are views of one shared buffer, which no layer may free alone, and its masters are shards.
+* `write_weights_from_masters(params, masters)`, for an optimizer of one's own with FP32 masters.
+* `load_state_dict` of the layer (its memory back, the checkpoint copied in; the next forward quantizes and releases).
+Checkpoints read BF16 weights: a state dict (and the Megatron experts' `sharded_state_dict`) writes them back from the
+masters first (`materialize_bf16_weights`: the BF16 rounding, the plain layer's bits); the next forward releases them
+again. Refused with a clear error: a torch optimizer stepping on the released parameters themselves (no master: a
+global pre-step hook), a state dict while released before any master wrote the copies, the main params' reload from
+released weights; CUDA-graph capture (the memory moves) and code torch.compile traces. A step that an optimizer skips
+(Megatron's on a non-finite gradient) writes nothing: the copies stay valid.
 
-This is not yet the FP8 primary weights of Transformer Engine: the optimizer still writes BF16 weights (2 bytes per
-weight, read again by the first forward's quantizer) rather than W and W^T straight from the FP32 master, and the
-first forward of each layer holds both forms for the length of its quantization.
+Not yet Transformer Engine's FP8 primary weights in full: the distributed optimizer (FP8 parameter all-gather from
+sharded masters) is not supported, and the layer's first forward after building or loading holds the BF16 weights and
+their copies together while it quantizes.
 """
 from typing import Iterable, Optional
 
@@ -32,7 +36,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "restore_bf16_weights"]
+__all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "materialize_bf16_weights",
+           "restore_bf16_weights", "write_weights_from_masters"]
 
 # parameter -> the ReleasedBF16Weights that released it (by identity, weak: a dropped layer leaves no entry)
 _RELEASED = WeakIdKeyDictionary()
@@ -66,6 +71,8 @@ class ReleasedBF16Weights:
         self._params = ()  # the released parameters (strong while released: their storage must come back)
         self._nbytes = 0
         self._value = None  # the FP8 copies served while released
+        self._settings = None  # (pow2, backend, keep_transposed) of the layer's forward: how to quantize its masters
+        self._master = None  # the FP32 master the copies were last written from (write_from_master)
 
     @property
     def released(self) -> bool:
@@ -97,9 +104,46 @@ class ReleasedBF16Weights:
                                    "the weights were released)")
             return self._value
         value = self.inner.get(weights, pow2, backend, keep_transposed)
+        self._settings = (pow2, backend, keep_transposed)
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             self._release(tuple(weights), value)
         return value
+
+    def feeds_from(self, param: torch.Tensor, master: torch.Tensor) -> bool:
+        """Whether `write_from_master(master)` can stand for the copy of `master` into `param`: the layer has run a
+        forward (its quantization settings are known) and holds its weights in one `[G, N, K]` parameter (`param`,
+        released) of the master's shape."""
+        return (self.released and self._settings is not None and len(self._params) == 1
+                and self._params[0] is param and master.shape == param.shape and master.dtype == torch.float32)
+
+    def write_from_master(self, master: torch.Tensor) -> None:
+        """The FP8 copies (W, and W^T unless the layer makes it in backward) written from the FP32 master in one pass,
+        as the quantizer would write them from the BF16 copy an optimizer makes of it (`quantize_128x128_from_master`:
+        the same bytes); the BF16 weights stay released. The old copies go first: one set alive at a time."""
+        from . import quant
+        from .autograd import QuantizedWeights
+
+        pow2, backend, keep_transposed = self._settings
+        self._value = None
+        self.inner.invalidate()
+        with torch.no_grad():
+            q, s, qt, st = quant.quantize_128x128_from_master(master.detach(), pow2, backend=backend)
+        self._value = QuantizedWeights(q, s, qt, st) if keep_transposed else QuantizedWeights(q, s, None, None)
+        self._master = master
+
+    def materialize(self) -> bool:
+        """Write the BF16 weights back from the master the copies were written from (its BF16 rounding, as the
+        optimizer's copy would have made them), for a checkpoint; the next forward quantizes them (the same bits) and
+        releases them again. False when released with no master to write from (nothing done)."""
+        if not self.released:
+            return True
+        master, param = self._master, self._params[0]
+        if master is None:
+            return False
+        self.restore()
+        with torch.no_grad():
+            param.copy_(master)
+        return True
 
     def _release(self, weights, value) -> None:
         storage = weights[0].untyped_storage()
@@ -120,7 +164,7 @@ class ReleasedBF16Weights:
         if not self.released:
             return
         self._params[0].untyped_storage().resize_(self._nbytes)
-        self._params, self._value = (), None
+        self._params, self._value, self._master = (), None, None
         self.inner.invalidate()
 
 
@@ -139,6 +183,49 @@ def _refuse_steps_on_released(optimizer, args, kwargs) -> None:
 
 
 _pre_step_hook = register_optimizer_step_pre_hook(_refuse_steps_on_released)
+
+
+def write_weights_from_masters(params, masters) -> int:
+    """An optimizer step's write of its FP32 `masters` into the BF16 `params`, for the layers that released theirs:
+    their FP8 copies straight from the masters (`ReleasedBF16Weights.write_from_master`: no BF16 weights made), the
+    other released ones' memory given back (uninitialised). Returns [(param, master)], the pairs the caller still
+    copies (every pair not written here)."""
+    rest = []
+    for param, master in zip(params, masters):
+        owner = _RELEASED.get(param)
+        if owner is not None and owner.feeds_from(param, master):
+            owner.write_from_master(master)
+        else:
+            rest.append((param, master))
+    restore_bf16_weights([p for p, _ in rest])
+    return rest
+
+
+def _copy_main_params(opt, copy, *args, **kwargs):
+    """Megatron's copy of the main params into the model, the pairs that `write_weights_from_masters` wrote taken out
+    of its groups for the length of the call (its own copy runs on the others)."""
+    groups, mains = opt.float16_groups, opt.fp32_from_float16_groups
+    pairs = [(p, m) for group, main_group in zip(groups, mains) for p, m in zip(group, main_group)]
+    rest = {id(p) for p, _ in write_weights_from_masters([p for p, _ in pairs], [m for _, m in pairs])}
+    if len(rest) == len(pairs):
+        return copy(*args, **kwargs)
+    opt.float16_groups = [[p for p in group if id(p) in rest] for group in groups]
+    opt.fp32_from_float16_groups = [[m for p, m in zip(group, main_group) if id(p) in rest]
+                                    for group, main_group in zip(groups, mains)]
+    try:
+        return copy(*args, **kwargs)
+    finally:
+        opt.float16_groups, opt.fp32_from_float16_groups = groups, mains
+
+
+def materialize_bf16_weights(params) -> None:
+    """Write released `params` back in BF16 from the masters their FP8 copies came from (checkpoints read them);
+    a RuntimeError for released ones with none (their values live in FP8 only)."""
+    for owner in {id(o): o for o in (_RELEASED.get(p) for p in params) if o is not None}.values():
+        if not owner.materialize():
+            raise RuntimeError("release_bf16_weights: the BF16 expert weights are released (held in FP8 from the "
+                               "first training forward to the optimizer step) and no FP32 master wrote their copies; "
+                               "save the state dict after the optimizer step, as Megatron does")
 
 
 def _mixed_precision_optimizers(optimizer):
@@ -169,8 +256,7 @@ def attach_optimizer(optimizer) -> int:
         copy_to_model, copy_from_model = opt._copy_main_params_to_model_params, opt._copy_model_params_to_main_params
 
         def restore_then_copy(*args, opt=opt, copy=copy_to_model, **kwargs):
-            restore_bf16_weights([p for group in opt.float16_groups for p in group])
-            return copy(*args, **kwargs)
+            return _copy_main_params(opt, copy, *args, **kwargs)
 
         def refuse_released_reads(*args, opt=opt, copy=copy_from_model, **kwargs):
             if any(is_released(p) for group in opt.float16_groups for p in group):

@@ -27,6 +27,7 @@ def _cases():
         "quantize_1x128": (x, False),
         "quantize_128x128": ((torch.randn(3, 144, 272, generator=gen)).bfloat16(), True),
         "transpose_128x128": (b, bs),
+        "quantize_128x128_from_master": (torch.randn(3, 144, 272, generator=gen) * 3, True),
         "quantize_128x128_refresh": (w, True, *R.quantize_128x128(w, True), torch.tensor(3), torch.tensor(-1)),
         "quantize_grouped_128x1": (x, sizes, 3, False),
         "quantize_1x128_and_grouped_128x1": (x, torch.tensor([0, 100, 100, 200]), 3, True),

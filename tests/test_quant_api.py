@@ -7,7 +7,8 @@ from _dists import group_tensor, random_rows
 from megatron_tma import ops
 from megatron_tma import reference as R
 from megatron_tma.groups import aligned_token_offsets
-from megatron_tma.quant import quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128, quantize_grouped_128x1
+from megatron_tma.quant import (quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128,
+                                quantize_128x128_from_master, quantize_grouped_128x1)
 
 
 def same_layout(a, b):
@@ -84,6 +85,10 @@ SIZES = torch.tensor([1, 3])
         (lambda: quantize_128x128(torch.zeros(1, 24, 32, dtype=torch.bfloat16)), ValueError, "N .* multiple of 16, got 24"),
         (lambda: quantize_128x128(torch.zeros(1, 32, 40, dtype=torch.bfloat16)), ValueError, "K .* multiple of 16, got 40"),
         (lambda: quantize_128x128(W.transpose(1, 2)), ValueError, "w must be contiguous"),
+        (lambda: quantize_128x128_from_master(W.bfloat16()), TypeError, "master must have dtype float32"),
+        (lambda: quantize_128x128_from_master(W.float()[0]), ValueError, "master must be 3-D"),
+        (lambda: quantize_128x128_from_master(torch.zeros(1, 24, 32)), ValueError, "N .* multiple of 16, got 24"),
+        (lambda: quantize_128x128_from_master(W.float().transpose(1, 2)), ValueError, "master must be contiguous"),
         (lambda: quantize_grouped_128x1(X.half().float(), SIZES), TypeError, "x must have dtype"),
         (lambda: quantize_grouped_128x1(torch.zeros(4, 8, dtype=torch.bfloat16), SIZES), ValueError, "multiple of 16, got 8"),
         (lambda: quantize_grouped_128x1(X, SIZES.float()), TypeError, "int32 or int64"),
@@ -104,6 +109,15 @@ SIZES = torch.tensor([1, 3])
 def test_validation_messages(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_from_master_is_the_quantization_of_the_bf16_rounding(gen):
+    """The master weights' op on the CPU: quantize_128x128 of their BF16 rounding, byte for byte (the CUDA kernel is
+    held to the same: tests/test_quant_gpu.py)."""
+    master = torch.randn(3, 144, 272, generator=gen) * 7
+    for got, want in zip(quantize_128x128_from_master(master), quantize_128x128(master.bfloat16())):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if got.dtype != torch.float32 else \
+            torch.equal(got, want)
 
 
 @pytest.mark.parametrize("m,k", [(0, 128), (1, 16), (5, 272), (130, 128)])

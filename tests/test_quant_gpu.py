@@ -8,7 +8,8 @@ from _dists import EDGE_GROUPINGS, GROUP_FORMATS, group_tensor, make_group_sizes
 
 from megatron_tma import _ext
 from megatron_tma import reference as R
-from megatron_tma.quant import quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128, quantize_grouped_128x1
+from megatron_tma.quant import (quantize_1x128, quantize_1x128_and_grouped_128x1, quantize_128x128,
+                                quantize_128x128_from_master, quantize_grouped_128x1)
 
 pytestmark = pytest.mark.skipif(not _ext.cuda_kernels_available(), reason="needs an sm_90 GPU and the built extension")
 
@@ -169,6 +170,27 @@ def test_128x128_refresh_writes_or_skips_on_the_device(gen, shape, transposed):
     for b, r in zip(bufs, ref):
         if b is not None:
             (assert_fp8_equal if r.dtype == torch.float8_e4m3fn else assert_scales_equal)(b, r)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(2, 144, 272), (5, 256, 1040), (1000, 32, 48), (3, 1536, 2048)])
+def test_128x128_from_master_is_the_bf16_roundings_quantization(gen, shape, pow2):
+    """quantize_128x128_from_master (FP32 masters, megatron_tma.released_weights): byte for byte the CUDA quantizer of
+    the masters' BF16 rounding, on values that round (random FP32 mantissas, exact ties to even, values that round up
+    into the next binade) and partial edge blocks, and the reference's."""
+    g, n, k = shape
+    master = torch.randn(g, n, k, generator=gen) * torch.exp2(torch.randint(-20, 20, (g, n, 1), generator=gen).float())
+    bits = master.view(torch.int32)
+    ties = torch.rand(master.shape, generator=gen) < 0.1  # low 16 bits exactly half an ulp of BF16: ties to even
+    bits[ties] = (bits[ties] & ~0xFFFF) | 0x8000
+    up = torch.rand(master.shape, generator=gen) < 0.05  # mantissas of all ones: rounding carries into the exponent
+    bits[up] = bits[up] | 0x7FFFFF
+    master = master.to(DEV)
+    got = quantize_128x128_from_master(master, pow2, backend="cuda")
+    for want in (quantize_128x128(master.bfloat16(), pow2, backend="cuda"),
+                 quantize_128x128_from_master(master, pow2, backend="reference")):
+        for u, v in zip(got, want):
+            (assert_fp8_equal if v.dtype == torch.float8_e4m3fn else assert_scales_equal)(u, v)
 
 
 def test_transpose_128x128_refuses_what_it_cannot_read():

@@ -1,11 +1,13 @@
-"""release_bf16_weights (megatron_tma.released_weights) on the CPU's reference kernels: a layer that frees its BF16
-weights after the first training forward of a step trains the same bits as one that keeps them, under an optimizer
-with FP32 masters shaped like Megatron's `Float16OptimizerWithFloat16Params` (whose CUDA-only constructor the GPU
-recipe test runs: tests/test_mcore_gpu.py); what would read the freed memory is refused with a clear error."""
+"""release_bf16_weights (megatron_tma.released_weights), on the CPU's reference kernels and on the GPU's: a layer that
+frees its BF16 weights after the first training forward of a step, and whose FP8 copies the optimizer step then writes
+straight from the FP32 masters (one `[G, N, K]` parameter) or whose BF16 memory it gives back and rewrites (G
+parameters), trains the same bits as one that keeps them, under an optimizer with FP32 masters shaped like Megatron's
+`Float16OptimizerWithFloat16Params` (whose CUDA-only constructor the GPU recipe test runs: tests/test_mcore_gpu.py);
+checkpoints see the BF16 weights; what would read the freed memory is refused with a clear error."""
 import pytest
 import torch
 
-from megatron_tma import _ext
+from megatron_tma import _ext, quant
 from megatron_tma import released_weights as rw
 from megatron_tma.mlp import GroupedFP8MLP
 
@@ -54,24 +56,33 @@ def _mlp(release, place=PLACES[0], **kw):
     return mlp
 
 
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _storage_bytes(mlp):
     return [p.untyped_storage().nbytes() for p in mlp.parameters()]
 
 
 def _micro_batch(mlp, x, probs, dy):
-    device = mlp.linear_fc1.weight.device
+    device = mlp.linear_fc1.weights[0].device
     xi = x.to(device).requires_grad_()
     out, _ = mlp(xi, SIZES.to(device), None if probs is None else probs.to(device))
     out.backward(dy.to(device))
     return [out, xi.grad]
 
 
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
 @pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
-def test_a_released_layer_trains_the_same_bits(gen, place):
-    plain, released = _mlp(False, place), _mlp(True, place)
+def test_a_released_layer_trains_the_same_bits(gen, place, layout):
+    """Stacked: every step writes the FP8 copies from the masters and the BF16 weights never come back (a state dict
+    writes them back from the masters: the plain layer's bits). Per expert: the step gives the memory back and
+    copies into it, as Megatron's copy does."""
+    plain, released = _mlp(False, place, weight_layout=layout), _mlp(True, place, weight_layout=layout)
     opts = [MixedPrecisionOptimizer(m.parameters()) for m in (plain, released)]
     assert rw.attach_optimizer(opts[1]) == 1
     weight_bytes = sum(p.numel() * 2 for p in released.parameters())
+    storages = 2 if layout == "stacked" else 2 * G
     for step in range(3):
         for micro in range(2):
             x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
@@ -79,16 +90,28 @@ def test_a_released_layer_trains_the_same_bits(gen, place):
             got = [_micro_batch(m, x, probs, dy) for m in (plain, released)]
             assert all(torch.equal(u, v) for u, v in zip(*got)), (step, micro)
             # from the first forward on, the BF16 memory is gone and the FP8 copies (W, W^T) are what the layer holds
-            assert _storage_bytes(released) == [0, 0] and rw.released_bytes(released) == weight_bytes
+            assert _storage_bytes(released) == [0] * storages and rw.released_bytes(released) == weight_bytes
             assert all(rw.is_released(p) for p in released.parameters())
         for p, q in zip(plain.parameters(), released.parameters()):
             assert torch.equal(p.main_grad, q.main_grad)
         for opt in opts:
             opt.step()
-        # the optimizer's copy gave the memory back and wrote the new weights into it
-        assert _storage_bytes(released) == _storage_bytes(plain) and rw.released_bytes(released) == 0
-        assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), released.parameters()))
-        assert released.linear_fc1.weight_cache._value is None  # the FP8 copies dropped at the step
+        if layout == "per_expert":  # the optimizer's copy gave the memory back and wrote the new weights into it
+            assert _storage_bytes(released) == _storage_bytes(plain) and rw.released_bytes(released) == 0
+            assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), released.parameters()))
+            assert released.linear_fc1.weight_cache._value is None  # the FP8 copies dropped at the step
+            continue
+        # still released; the copies written from the masters are the quantizer's bytes of the new BF16 weights
+        assert _storage_bytes(released) == [0, 0] and rw.released_bytes(released) == weight_bytes
+        for a, b in ((plain.linear_fc1, released.linear_fc1), (plain.linear_fc2, released.linear_fc2)):
+            want = quant.quantize_128x128(a.weight.detach(), backend=place[1])
+            assert all(torch.equal(_bytes(u), _bytes(v)) for u, v in zip(b.weight_cache._value, want))
+    # a checkpoint writes the BF16 weights back from the masters: the plain layer's, bit for bit
+    state, want = released.state_dict(), plain.state_dict()
+    assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    assert not any(rw.is_released(p) for p in released.parameters())
+    got = [_micro_batch(m, x, probs, dy) for m in (plain, released)]  # and the layer trains on from them
+    assert all(torch.equal(u, v) for u, v in zip(*got))
 
 
 @pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
@@ -107,9 +130,12 @@ def test_evaluation_keeps_the_weights_and_a_skipped_step_the_copies(gen, place):
         released.linear_fc1.is_first_microbatch = released.linear_fc2.is_first_microbatch = True
         got = [_micro_batch(m, x, None, dy) for m in (plain, released)]
         assert all(torch.equal(u, v) for u, v in zip(*got))
+        held = released.linear_fc1.weight_cache._value
         for opt in opts:
             opt.step(skip=skip)
-        assert rw.is_released(released.linear_fc1.weight) == skip  # a skipped step copies nothing back
+        # a skipped step writes nothing (the copies stay); a step writes new ones from the masters
+        assert rw.is_released(released.linear_fc1.weight)
+        assert (released.linear_fc1.weight_cache._value is held) == skip
 
 
 def test_what_would_read_the_freed_memory_is_refused(gen):
@@ -118,7 +144,7 @@ def test_what_would_read_the_freed_memory_is_refused(gen):
     rw.attach_optimizer(opt)
     x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
     _micro_batch(released, x, None, dy)
-    with pytest.raises(RuntimeError, match="save the state dict after the optimizer step"):
+    with pytest.raises(RuntimeError, match="no FP32 master wrote their copies"):
         released.state_dict()
     sgd = torch.optim.SGD(released.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match=r"SGD.step\(\) on expert weights whose BF16 memory is released"):

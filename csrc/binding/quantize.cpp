@@ -51,9 +51,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_1x128(const at::Tensor& x, bool pow2
   return {q, s.narrow(1, 0, M).t()};
 }
 
-// (q [G, N, K], s [G, ceil(N/128), ceil(K/128)], qt [G, K, N], st [G, ceil(K/128), ceil(N/128)])
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128(const at::Tensor& w, bool pow2) {
-  const QuantInput in = check_input(w, "w", 3);
+// (q [G, N, K], s [G, ceil(N/128), ceil(K/128)], qt [G, K, N], st [G, ceil(K/128), ceil(N/128)]) of w, checked.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> weights_128x128(const at::Tensor& w, QuantInput in,
+                                                                           bool pow2) {
   const int64_t G = w.size(0), N = w.size(1), K = w.size(2);
   TORCH_CHECK_VALUE(N % 16 == 0, "N (dim 1 of w) must be a multiple of 16 (the rows of the transposed copy move "
                     "as 16-byte vectors), got ", N);
@@ -67,6 +67,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128(cons
                                               qt.data_ptr(), st.data_ptr<float>(), at::cuda::getCurrentCUDAStream()),
                "quantize_128x128");
   return {q, s, qt, st};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128(const at::Tensor& w, bool pow2) {
+  return weights_128x128(w, check_input(w, "w", 3), pow2);
+}
+
+// FP32 master weights [G, N, K] quantized as their BF16 rounding: quantize_128x128(master.bfloat16())'s bytes, without
+// the BF16 copy (the FP8 weights a mixed-precision optimizer's step writes straight from its masters).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_128x128_from_master(const at::Tensor& master,
+                                                                                       bool pow2) {
+  TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, "master must have dtype float32, got ", master.scalar_type());
+  TORCH_CHECK_VALUE(master.is_cuda(), "master must be a CUDA tensor, got one on ", master.device());
+  TORCH_CHECK_VALUE(master.dim() == 3, "master must be 3-D, got shape ", master.sizes());
+  TORCH_CHECK_VALUE(master.is_contiguous(), "master must be contiguous, got strides ", master.strides());
+  TORCH_CHECK_VALUE(master.size(-1) % 16 == 0, "the last dim of master must be a multiple of 16, got ",
+                    master.size(-1));
+  TORCH_CHECK_VALUE(master.numel() == 0 || aligned16(master), "master must be 16-byte aligned");
+  return weights_128x128(master, QuantInput::kFp32Master, pow2);
 }
 
 void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
@@ -211,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_quantize_1x128
 TORCH_LIBRARY_IMPL(megatron_tma, CUDA, m) {
   m.impl("quantize_1x128", &quantize_1x128);
   m.impl("quantize_128x128", &quantize_128x128);
+  m.impl("quantize_128x128_from_master", &quantize_128x128_from_master);
   m.impl("transpose_128x128", &transpose_128x128);
   m.impl("quantize_128x128_refresh", &quantize_128x128_refresh);
   m.impl("quantize_grouped_128x1", &quantize_grouped_128x1);

@@ -40,6 +40,13 @@ template <class In, bool kPow2> struct KFusedGather {
 
 bool input_ok(QuantInput in) { return in == QuantInput::kBf16 || in == QuantInput::kFp16; }
 
+// The weight quantizer also reads FP32 master weights (as their BF16 rounding).
+template <template <class, bool> class Kernel>
+auto pick_weights(QuantInput in, bool pow2) {
+  if (in == QuantInput::kFp32Master) return pow2 ? Kernel<Fp32MasterIn, true>::fn : Kernel<Fp32MasterIn, false>::fn;
+  return pick<Kernel>(in, pow2);
+}
+
 // Persistent grid: the CTAs that the launch bounds fit on every SM (ctas_per_sm), never more than there are
 // tiles. With very many groups shared memory may fit fewer; the rest then run as a short second wave.
 // Raises the dynamic shared-memory limit when static + dynamic shared memory exceeds the 48 KB that needs
@@ -93,8 +100,8 @@ namespace {
 
 cudaError_t launch_128x128(const void* w, QuantInput in, int64_t g, int64_t n, int64_t k, bool pow2, void* q, float* s,
                            void* qt, float* st, const int64_t* version, const int64_t* done, cudaStream_t stream) {
-  if (!input_ok(in) || g < 0 || g > INT_MAX || n < 0 || n > INT_MAX || n % 16 != 0 || k < 0 || k > INT_MAX ||
-      k % 16 != 0)
+  if (!(input_ok(in) || in == QuantInput::kFp32Master) || g < 0 || g > INT_MAX || n < 0 || n > INT_MAX ||
+      n % 16 != 0 || k < 0 || k > INT_MAX || k % 16 != 0)
     return cudaErrorInvalidValue;
   if (g == 0 || n == 0 || k == 0) return cudaSuccess;
   if (!aligned16(w) || !aligned16(q) || (qt != nullptr && !aligned16(qt))) return cudaErrorInvalidValue;
@@ -110,9 +117,10 @@ cudaError_t launch_128x128(const void* w, QuantInput in, int64_t g, int64_t n, i
   p.k = static_cast<int>(k);
   p.version = version;
   p.done = done;
-  const auto kernel = version != nullptr ? pick<K128x128Refresh>(in, pow2) : pick<K128x128>(in, pow2);
+  const auto kernel = version != nullptr ? pick_weights<K128x128Refresh>(in, pow2) : pick_weights<K128x128>(in, pow2);
   int grid = 0;
-  const cudaError_t err = persistent_grid(kernel, k128x128CtasPerSm, 0, g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
+  const int ctas_per_sm = in == QuantInput::kFp32Master ? k128x128CtasPerSmOf<Fp32MasterIn> : k128x128CtasPerSm;
+  const cudaError_t err = persistent_grid(kernel, ctas_per_sm, 0, g * cdiv(n, kBlock) * cdiv(k, kBlock), &grid);
   if (err != cudaSuccess) return err;
   kernel<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();

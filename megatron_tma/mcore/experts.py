@@ -64,6 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import check_backend, warn_if_reference_on_gpu
 from ..activation import GATED
 from ..mlp import GroupedBF16MLP, GroupedFP8MLP, capturing
+from ..released_weights import materialize_bf16_weights
 from .config import REFRESH_FLAG, RELEASE_FLAG, TRANSPOSE_FLAG, expert_mlp_args, expert_tensor_parallel_size, pad_to_of
 
 __all__ = ["megatron_experts", "MegatronFP8Experts", "MegatronBF16Experts", "invalidate_fp8_weights"]
@@ -156,6 +157,7 @@ class _MegatronExperts:
         from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
         metadata = ensure_metadata_has_dp_cp_group(metadata)
+        materialize_bf16_weights(self.parameters())  # (release_bf16_weights: the entries' data are the parameters)
         singleton = metadata.get("singleton_local_shards", False)
         ep, expt_dp, expt_tp = self._expert_groups()
         num_global, first = ep.size() * self.num_experts, ep.rank() * self.num_experts

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_tma.mcore import (
     checkpoint, experts as mcore_experts, invalidate_fp8_weights, keep_token_counts_on_device, permute_in_experts)
+from megatron_tma.released_weights import materialize_bf16_weights
 
 from . import megatron_core as mc
 from .checkpoints import check_save_target, optim_format, resume, training_args
@@ -139,6 +140,8 @@ def train(args, mode, rank, batches, eager=False):
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
     # the stepped weights. Evaluated as is, then again with the FP8 copies forcibly re-made: the same loss.
     eval_loss = evaluate(args, models, batches)
+    for model in models:  # (--release-bf16-expert-weights: the BF16 weights written back from the FP32 masters)
+        materialize_bf16_weights(model.parameters())
     found = sum(invalidate_fp8_weights(model) for model in models)
     eval_requantized = evaluate(args, models, batches) if found else eval_loss
     param_digests = gathered(digests(named_parameters(models)))

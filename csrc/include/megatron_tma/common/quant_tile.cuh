@@ -25,6 +25,7 @@
 #pragma once
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "megatron_tma/common/fp8.cuh"
@@ -38,9 +39,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBlock = 128;     // quantization block edge
 
 // ------------------------------------------------------------------------------------------------
-// Input formats: two 16-bit elements per 32-bit word (element 0 in the low half).
+// Input formats: two 16-bit elements per 32-bit word (element 0 in the low half). Elem: what the input holds.
 // ------------------------------------------------------------------------------------------------
 struct Bf16In {
+  using Elem = uint16_t;
   static __device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
   static __device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
   // 16-bit pattern of |x| -> FP32 bit pattern of |x| (exact; NaN stays NaN)
@@ -48,6 +50,7 @@ struct Bf16In {
 };
 
 struct Fp16In {
+  using Elem = uint16_t;
   static __device__ __forceinline__ float lo(uint32_t w) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
   }
@@ -55,6 +58,13 @@ struct Fp16In {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
   }
   static __device__ __forceinline__ uint32_t widen_abs(uint32_t h) { return __float_as_uint(lo(h)); }
+};
+
+// FP32 master weights, read as their BF16 rounding (round to nearest even: the copy a mixed-precision optimizer writes
+// into BF16 model weights) and packed on load (load_subtile's float overload), so that every later step works on
+// Bf16In's registers and the bytes are those of the BF16 weights' quantization (quantize_128x128 only).
+struct Fp32MasterIn : Bf16In {
+  using Elem = float;
 };
 
 // |x| of both halves as ordered unsigned patterns (see fp8.cuh), and their per-half maximum.
@@ -137,6 +147,25 @@ __device__ __forceinline__ void load_subtile(uint4 (&v)[8], const uint16_t* src,
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     v[j] = (col_ok && j < rows_left) ? load_stream(src + j * ld) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_rn(uint32_t lo, uint32_t hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(__uint_as_float(lo), __uint_as_float(hi));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// The same 8 row pieces from FP32 (Fp32MasterIn): two 16-byte loads per row, each element rounded to BF16, so that
+// v holds what the 16-bit overload would read from the BF16 copy of the same rows. src counts FP32 elements.
+__device__ __forceinline__ void load_subtile(uint4 (&v)[8], const float* src, int64_t ld, int rows_left, bool col_ok) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (col_ok && j < rows_left) {
+      const uint4 a = load_stream(src + j * ld), b = load_stream(src + j * ld + 4);
+      v[j] = make_uint4(bf16x2_rn(a.x, a.y), bf16x2_rn(a.z, a.w), bf16x2_rn(b.x, b.y), bf16x2_rn(b.z, b.w));
+    } else {
+      v[j] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
 }
 
 // Shared-memory tile holding the transpose of a 128x128 byte tile: row t (a column of the source

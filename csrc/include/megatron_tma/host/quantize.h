@@ -16,7 +16,9 @@
 
 namespace megatron_tma {
 
-enum class QuantInput : int { kBf16 = 0, kFp16 = 1 };
+// kFp32Master: FP32 master weights quantized as their BF16 rounding (quantize_128x128 only: the bytes of quantizing
+// the BF16 copy a mixed-precision optimizer would write, without that copy).
+enum class QuantInput : int { kBf16 = 0, kFp16 = 1, kFp32Master = 2 };
 
 // Largest G quantize_grouped_128x1 accepts (group, column and token-block offsets live in shared memory).
 constexpr int kQuantizeGroupedMaxGroups = 8192;

@@ -3,6 +3,8 @@
 // Shared tile scheme, input types and vector helpers: common/quant_tile.cuh. Host launcher:
 // csrc/instantiations/quantize.cu.
 #pragma once
+#include <type_traits>
+
 #include "megatron_tma/common/quant_tile.cuh"
 
 namespace megatron_tma {
@@ -14,9 +16,12 @@ namespace quant {
 // 3 CTAs/SM cap registers at 80 (65536 / 768, rounded down to the allocation unit; no spills) and keep
 // 3 x 32 KB of loads in flight per SM, about 3x what HBM bandwidth x latency asks for.
 constexpr int k128x128CtasPerSm = 3;
+// FP32 masters (Fp32MasterIn) load twice the bytes per sub-tile: 2 CTAs/SM give them 128 registers (80 spill).
+template <class In>
+constexpr int k128x128CtasPerSmOf = std::is_same<In, Fp32MasterIn>::value ? 2 : k128x128CtasPerSm;
 
 struct Quantize128x128Params {
-  const void* w;  // [g, n, k] 16-bit, 16-byte aligned
+  const void* w;  // [g, n, k] 16-bit (FP32 for Fp32MasterIn), 16-byte aligned
   uint8_t* q;     // e4m3 [g, n, k]
   float* s;       // [g, ceil(n/128), ceil(k/128)]
   uint8_t* qt;    // e4m3 [g, k, n]; nullptr: no transposed copy (nor st)
@@ -32,14 +37,14 @@ struct Quantize128x128Params {
 // kRefresh: the refresh variant (the version check; qt may be nullptr). The plain instances compile without either,
 // to the code they had before the variant existed.
 template <class In, bool kPow2, bool kRefresh = false>
-__global__ void __launch_bounds__(kThreads, k128x128CtasPerSm) quantize_128x128_kernel(const Quantize128x128Params p) {
+__global__ void __launch_bounds__(kThreads, k128x128CtasPerSmOf<In>) quantize_128x128_kernel(const Quantize128x128Params p) {
   __shared__ __align__(16) uint8_t tile[TransposedTile::kBytes];
   __shared__ uint32_t warp_amax[kWarps];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SubTile sub;
   const int nbs = (p.n + kBlock - 1) / kBlock, kbs = (p.k + kBlock - 1) / kBlock;
   const int64_t tiles = int64_t(p.g) * nbs * kbs;
-  const uint16_t* w = static_cast<const uint16_t*>(p.w);
+  const typename In::Elem* w = static_cast<const typename In::Elem*>(p.w);
   if constexpr (kRefresh) {
     if (*p.version == *p.done) return;  // uniform over the grid: no CTA reaches a barrier
   }
