@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Lab (one call, <= 8 files back): build; the GPU tests of the master-fed FP8 weights (kernel, layer, ops), the
+# compile test, the transpose kernel in backward; Megatron's optimizer writing them (recipe test); the layer benchmark
+# with --release-bf16-weights and --transpose-in-backward (4 micro-batches); then the dsv3-like preset graphed.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; t0=$(date +%s); DEADLINE=${DEADLINE:-540}
+left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
+stamp() { echo "$1 ($(( $(date +%s) - t0 )) s)"; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>/dev/null
+export PYTHONPATH=$PWD/.site:$PWD
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 \
+  || { tail -40 /tmp/build.log; exit 1; }
+stamp built
+timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_released_weights.py tests/test_ops.py \
+  "tests/test_autograd.py::test_torch_compile_forward" tests/test_transposed_weight.py \
+  tests/test_quant_gpu.py -k "not (test_1x128 or grouped)" > "$OUT/tests.log" 2>&1
+stamp "tests rc=$?"; tail -3 "$OUT/tests.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -m recipe_run -k released_bf16 \
+  tests/test_mcore_gpu.py > "$OUT/recipe.log" 2>&1; stamp "recipe rc=$?"; tail -3 "$OUT/recipe.log"
+bench() {  # $1: a name, $2: its limit, then the options; JSON back as <name>-<file>
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/bench_mlp_layer.py --models qwen3_30b_a3b --micro-batches 4 "$@" --out "/tmp/b$name" \
+    > /tmp/log.txt 2>&1; stamp "bench $name rc=$?"; grep -E "^ qwen3" /tmp/log.txt | head -8
+  for f in /tmp/b$name/*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
+}
+bench release 60 --release-bf16-weights --no-graphs
+bench transpose 60 --transpose-in-backward --no-graphs
+limit=$(( $(left) - 5 )); [ "$limit" -gt 60 ] && {
+  timeout "$limit" torchrun --nproc-per-node 1 recipes/moe_gpt.py --preset dsv3-like --permute-in-experts \
+    --cuda-graph-impl full_iteration --step-refreshed-weights --modes unpadded bf16 --steps 100 --out /tmp/pd \
+    > /tmp/pd.log 2>&1; stamp "preset dsv3-like rc=$?"
+  grep -iE "graphed|speedup|rror" /tmp/pd.log | grep -v Warning | tail -12 | cut -c1-300
+  for f in /tmp/pd/*.json /tmp/pd/*.png; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+  tail -c 2500 /tmp/pd.log > "$OUT/dsv3-like.log.tail"; }
