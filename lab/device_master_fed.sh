@@ -16,10 +16,12 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_
   "tests/test_autograd.py::test_torch_compile_forward" tests/test_transposed_weight.py \
   tests/test_quant_gpu.py -k "not (test_1x128 or grouped)" > "$OUT/tests.log" 2>&1
 stamp "tests rc=$?"; tail -3 "$OUT/tests.log"
-timeout 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE -m recipe_run -k released_bf16 \
-  tests/test_mcore_gpu.py > "$OUT/recipe.log" 2>&1; stamp "recipe rc=$?"; tail -3 "$OUT/recipe.log"
+[ "$(left)" -gt 100 ] && { timeout $(( $(left) - 10 < 150 ? $(left) - 10 : 150 )) python3 -m pytest -q -p no:cacheprovider \
+  --tb=short -rfE -m recipe_run -k released_bf16 tests/test_mcore_gpu.py > "$OUT/recipe.log" 2>&1
+  stamp "recipe rc=$?"; tail -3 "$OUT/recipe.log"; }
 bench() {  # $1: a name, $2: its limit, then the options; JSON back as <name>-<file>
   local name=$1 limit=$2; shift 2
+  [ "$(left)" -lt $(( limit + 5 )) ] && { echo "no time for bench $name"; return; }
   timeout "$limit" python3 benchmarks/bench_mlp_layer.py --models qwen3_30b_a3b --micro-batches 4 "$@" --out "/tmp/b$name" \
     > /tmp/log.txt 2>&1; stamp "bench $name rc=$?"; grep -E "^ qwen3" /tmp/log.txt | head -8
   for f in /tmp/b$name/*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
