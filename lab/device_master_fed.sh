@@ -2,16 +2,8 @@
 # Lab (one call, <= 8 files back): build; the GPU tests of the master-fed FP8 weights (kernel, layer, ops), the
 # compile test, the transpose kernel in backward; Megatron's optimizer writing them (recipe test); the layer benchmark
 # with --release-bf16-weights and --transpose-in-backward (4 micro-batches); then the dsv3-like preset graphed.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; t0=$(date +%s); DEADLINE=${DEADLINE:-540}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "$1 ($(( $(date +%s) - t0 )) s)"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD/.site:$PWD
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
-CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 \
-  || { tail -40 /tmp/build.log; exit 1; }
-stamp built
+DEADLINE=${DEADLINE:-540}
+source lab/device_setup.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_released_weights.py tests/test_ops.py \
   "tests/test_autograd.py::test_torch_compile_forward" tests/test_transposed_weight.py \
   tests/test_quant_gpu.py -k "not (test_1x128 or grouped)" > "$OUT/tests.log" 2>&1

@@ -2,16 +2,8 @@
 # Lab (one call, <= 8 files back): the compile test and the transpose kernel in backward, then the presets (issue 53's
 # targets) from Megatron's full-iteration CUDA graph with step-refreshed FP8 weights, unpadded and bf16 graphed plus
 # the recipe's eager twin of unpadded: dsv3-like, then qwen3-30b while time is left.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; t0=$(date +%s); DEADLINE=${DEADLINE:-540}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "$1 ($(( $(date +%s) - t0 )) s)"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD/.site:$PWD
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
-python3 -c "import megatron_tma._C" 2>/dev/null || CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext \
-  --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
-stamp built
+DEADLINE=${DEADLINE:-540}
+source lab/device_setup.sh
 timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE "tests/test_autograd.py::test_torch_compile_forward" \
   tests/test_transposed_weight.py tests/test_mlp_gpu.py -k "compile or transpos" > "$OUT/tests.log" 2>&1
 stamp "tests rc=$?"; tail -3 "$OUT/tests.log"

@@ -2,16 +2,8 @@
 # Lab (one call, <= 8 files back): what the last stop built and could not run on a GPU. Build; the GPU tests of the transpose kernel, the refresh kernel and
 # StepRefreshedWeights in CUDA graphs, the sync-free deferral, the compile test; the qwen3 layer benchmarks at 4
 # micro-batches plain, with --release-bf16-weights, --defer-wgrad, --transpose-in-backward (JSON each); then the 128x128 quantizer tests.
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; t0=$(date +%s); DEADLINE=${DEADLINE:-330}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "$1 ($(( $(date +%s) - t0 )) s)"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>/dev/null
-export PYTHONPATH=$PWD/.site:$PWD
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
-CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 \
-  || { tail -40 /tmp/build.log; exit 1; }
-stamp built
+DEADLINE=${DEADLINE:-330}
+source lab/device_setup.sh
 timeout 70 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_weight_refresh_gpu.py \
   "tests/test_autograd.py::test_torch_compile_forward" "tests/test_mlp_gpu.py::test_deferred_weight_gradients_never_sync" \
   "tests/test_mlp_gpu.py::test_deferred_weight_gradients_over_micro_batches" \
