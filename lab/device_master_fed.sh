@@ -3,7 +3,7 @@
 # compile test, the transpose kernel in backward; Megatron's optimizer writing them (recipe test); the layer benchmark
 # with --release-bf16-weights and --transpose-in-backward (4 micro-batches); then the dsv3-like preset graphed.
 DEADLINE=${DEADLINE:-540}
-source lab/device_setup.sh
+source lab/device_call.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_released_weights.py tests/test_ops.py \
   "tests/test_autograd.py::test_torch_compile_forward" tests/test_transposed_weight.py \
   tests/test_quant_gpu.py -k "not (test_1x128 or grouped)" > "$OUT/tests.log" 2>&1

@@ -3,7 +3,7 @@
 # targets) from Megatron's full-iteration CUDA graph with step-refreshed FP8 weights, unpadded and bf16 graphed plus
 # the recipe's eager twin of unpadded: dsv3-like, then qwen3-30b while time is left.
 DEADLINE=${DEADLINE:-540}
-source lab/device_setup.sh
+source lab/device_call.sh
 timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE "tests/test_autograd.py::test_torch_compile_forward" \
   tests/test_transposed_weight.py tests/test_mlp_gpu.py -k "compile or transpos" > "$OUT/tests.log" 2>&1
 stamp "tests rc=$?"; tail -3 "$OUT/tests.log"

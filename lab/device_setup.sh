@@ -1,15 +1,12 @@
-# Sourced by the lab's device calls (bash lab/device_*.sh on the device machine): $OUT, a deadline clock (`left`,
-# `stamp`), the wheels of .whl/ on PYTHONPATH, the GPU named, and the extension built in place (once per machine:
-# a warm machine keeps it, unless DEVICE_REBUILD=1).
-set -uo pipefail
-OUT=${OUT:-/tmp/out}; t0=$(date +%s); DEADLINE=${DEADLINE:-540}
-left() { echo $(( DEADLINE - ($(date +%s) - t0) )); }
-stamp() { echo "$1 ($(( $(date +%s) - t0 )) s)"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl 2>/dev/null
+# Sourced by the lab's device scripts (repo root of the GPU machine's copy): the carried wheels (.whl) into .site,
+# this tree's extension built in place (incremental on a warm machine) beside DeepGEMM's build (.dg; reused when
+# the machine kept it), then PYTHONPATH and DeepGEMM's environment set. Logs into $LOGS; returns 1 if the build fails.
+#   LOGS=<dir> source lab/device_setup.sh
+[ -d .site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl
 export PYTHONPATH=$PWD/.site:$PWD
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
-if [ "${DEVICE_REBUILD:-1}" = 1 ] || ! python3 -c "import megatron_tma._C" 2>/dev/null; then
-  CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=16 python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 \
-    || { tail -40 /tmp/build.log; exit 1; }
-fi
-stamp built
+(bash .dg/build_deepgemm.sh > "$LOGS/dg_build.log" 2>&1; echo "deepgemm build rc=$?") &
+CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=14 python3 setup.py build_ext --inplace > "$LOGS/build.log" 2>&1
+build_rc=$?
+wait
+[ $build_rc -eq 0 ] || { tail -30 "$LOGS/build.log"; return 1; }
+source /tmp/dg/env.sh
