@@ -16,7 +16,11 @@ one `[G, N, K]` weight per linear; `per_expert` gives G `[N, K]` parameters (Tra
 per-weight autograd bookkeeping makes the many-expert rows host-bound.
 
 Each timed step re-quantizes the FP8 weights (a training step changes them; `--cached-weights` measures later
-micro-batches, which reuse the copies). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
+micro-batches, which reuse the copies). `--optimizer-write` starts every method's step with a mixed-precision
+optimizer's write of its weights from FP32 masters (the weight refresh timed wherever it runs, in every twin: BF16
+copies for the BF16 twin and the FP8 modules, re-quantized after); `--release-bf16-weights` (implies it) gives the FP8
+modules `release_bf16_weights=True`, whose write makes their FP8 copies straight from the masters
+(megatron_tma.released_weights). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
 what was allocated before it (weights and inputs exist, gradients and FP8 weight copies do not): the memory the step
 itself needs. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
 behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as
@@ -30,6 +34,7 @@ Writes benchmarks/results/mlp_layer-<stamp>.json (`mlp_layer_micro_batches-<stam
 PNG; the table prints last.
 
     python benchmarks/bench_mlp_layer.py [--quick] [--cached-weights] [--weight-layout per_expert] [--no-graphs]
+                                         [--optimizer-write | --release-bf16-weights] [--micro-batches N]
                                          [--iters N] [--out DIR]
 """
 import argparse
@@ -94,14 +99,13 @@ def te_rows():
 class Step:
     """One training step of one module on fixed inputs; the gradients it makes replace the previous ones."""
 
-    def __init__(self, module, x, sizes, probs, dy, requantize):
+    def __init__(self, module, x, sizes, probs, dy, requantize, optimizer_write=False):
         self.module, self.x, self.sizes, self.probs, self.dy = module, x, sizes, probs, dy
         self.requantize = requantize and hasattr(module, "invalidate_weight_cache")
-        # release_bf16_weights: each step writes the weights from FP32 masters held here, as a mixed-precision
-        # optimizer's step does (the FP8 copies straight from them; outside the layer's bytes, as an optimizer's masters
-        # are for every method)
-        releases = getattr(getattr(module, "linear_fc1", None), "release_bf16_weights", False)
-        self.masters = [p.detach().float() for p in module.parameters()] if releases and self.requantize else None
+        # optimizer_write: each step starts with a mixed-precision optimizer's write of the weights from FP32 masters
+        # held here (outside the layer's bytes, as an optimizer's masters are for every method): the BF16 weights
+        # copied from them, or for layers that release theirs the FP8 copies written from them
+        self.masters = [p.detach().float() for p in module.parameters()] if optimizer_write else None
 
     def reset(self):
         self.x.grad = self.probs.grad = None
@@ -111,7 +115,7 @@ class Step:
             with torch.no_grad():
                 for p, m in rest:
                     p.copy_(m)
-        elif self.requantize:
+        if self.requantize:  # (a no-op for copies just written from the masters)
             self.module.invalidate_weight_cache()
 
     def __call__(self):
@@ -158,8 +162,8 @@ class AccumulatingStep(Step):
     micro-batch (DDP's hook for weights without fused accumulation). The weights are re-quantized at the step's first
     micro-batch only (later ones reuse the copies, as Megatron's experts do)."""
 
-    def __init__(self, module, x, sizes, probs, dy, requantize, micro_batches):
-        super().__init__(module, x, sizes, probs, dy, requantize)
+    def __init__(self, module, x, sizes, probs, dy, requantize, micro_batches, optimizer_write=False):
+        super().__init__(module, x, sizes, probs, dy, requantize, optimizer_write)
         self.micro_batches = micro_batches
         self.params = list(module.parameters())
         for w in self.params:
@@ -296,7 +300,8 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
 
 
 def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True,
-               keep_transposed_weight=True, micro_batches=1, defer_wgrad=False, release_bf16_weights=False):
+               keep_transposed_weight=True, micro_batches=1, defer_wgrad=False, release_bf16_weights=False,
+               optimizer_write=False):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
     fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight,
@@ -309,11 +314,12 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
     groups = sizes.to(dev)
     graphed_micro_batches = micro_batches > 1 and graphs and not defer_wgrad  # (the flush's lists are host state)
     if micro_batches > 1:  # a step of micro-batches into main_grad (GraphedMicroBatches below, not GraphStep)
-        steps = {name: AccumulatingStep(m, x, groups, probs, dy, requantize, micro_batches)
+        steps = {name: AccumulatingStep(m, x, groups, probs, dy, requantize, micro_batches, optimizer_write)
                  for name, m in zip(METHODS, (ours, padded, bf16))}
         graphs = False
     else:
-        steps = {name: Step(m, x, groups, probs, dy, requantize) for name, m in zip(METHODS, (ours, padded, bf16))}
+        steps = {name: Step(m, x, groups, probs, dy, requantize, optimizer_write)
+                 for name, m in zip(METHODS, (ours, padded, bf16))}
 
     padded_rows = int((-(-sizes // 128) * 128).sum())
     # fc1 (2F outputs) + fc2 (F inputs), each forward, dgrad and wgrad, per micro-batch
@@ -322,7 +328,8 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
            "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
            "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight,
-           "micro_batches": micro_batches, "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights}
+           "micro_batches": micro_batches, "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights,
+           "optimizer_write_in_step": optimizer_write}
 
     times = common.bench_blocks(steps, iters=iters)  # each step timed after its own kind (see bench_blocks)
     for name in METHODS:
@@ -462,11 +469,15 @@ def main():
     ap.add_argument("--defer-wgrad", action="store_true",
                     help="with --micro-batches: the FP8 modules compute their weight gradients once a step "
                          "(defer_wgrad=True, one flush after the last micro-batch)")
+    ap.add_argument("--optimizer-write", action="store_true",
+                    help="every method's step starts with a mixed-precision optimizer's write of its weights from "
+                         "FP32 masters (the BF16 weights copied from them; the FP8 ones re-quantized after): the "
+                         "weight refresh timed wherever it runs, in every twin. Eager only (no graphs)")
     ap.add_argument("--release-bf16-weights", action="store_true",
                     help="the FP8 modules free their BF16 weights after the step's first forward has quantized them "
-                         "(release_bf16_weights=True, megatron_tma.released_weights); each step first writes their "
-                         "FP8 copies from FP32 masters, as a mixed-precision optimizer's step then does, inside the "
-                         "timed step. Eager only (no graphs)")
+                         "(release_bf16_weights=True, megatron_tma.released_weights), and the optimizer's write gives "
+                         "them FP8 copies straight from the FP32 masters instead; implies --optimizer-write unless "
+                         "--cached-weights (then the FP8 copies are all the layer holds)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                     help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)
@@ -474,9 +485,14 @@ def main():
     args = ap.parse_args()
     if args.micro_batches < 1 or (args.defer_wgrad and args.micro_batches < 2):
         ap.error("--micro-batches must be >= 1, and --defer-wgrad needs >= 2 of them (one step's weight gradients)")
-    if args.release_bf16_weights and not args.no_graphs:
-        ap.error("--release-bf16-weights: a layer that frees and re-allocates its weights is not captured; add "
-                 "--no-graphs")
+    if args.optimizer_write and args.cached_weights:
+        ap.error("--optimizer-write: cached weights are the later micro-batches of a step, which no optimizer write "
+                 "precedes; leave out --cached-weights (or use --micro-batches)")
+    # released weights change only through the optimizer's write (with --cached-weights: none, the copies held)
+    args.optimizer_write = args.optimizer_write or (args.release_bf16_weights and not args.cached_weights)
+    if (args.optimizer_write or args.release_bf16_weights) and not args.no_graphs:
+        ap.error("--optimizer-write / --release-bf16-weights: the optimizer's write is host code a graph does not hold "
+                 "(and a layer that frees its weights is not captured); add --no-graphs")
     ceilings = common.measure_ceilings()
     print(f"ceilings: {ceilings}", flush=True)
     rows = []
@@ -485,7 +501,8 @@ def main():
         row = run_config(model, G, M, dist, seed=2000 + i, iters=args.iters, requantize=not args.cached_weights,
                          weight_layout=args.weight_layout, graphs=not args.no_graphs,
                          keep_transposed_weight=not args.transpose_in_backward, micro_batches=args.micro_batches,
-                         defer_wgrad=args.defer_wgrad, release_bf16_weights=args.release_bf16_weights)
+                         defer_wgrad=args.defer_wgrad, release_bf16_weights=args.release_bf16_weights,
+                         optimizer_write=args.optimizer_write)
         rows.append(row)
         print(f"[{n + 1}/{len(todo)}] {model} G={G} M={M} {dist}: ours {row.get('ours_ms')} ms, "
               f"x{row.get('speedup_vs_padded_path')} vs padded, x{row.get('speedup_vs_bf16')} vs bf16, "
@@ -500,6 +517,7 @@ def main():
         " --transpose-in-backward" if args.transpose_in_backward else "") + (
         f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "") + (
         " --defer-wgrad" if args.defer_wgrad else "") + (
+        " --optimizer-write" if args.optimizer_write and not args.release_bf16_weights else "") + (
         " --release-bf16-weights" if args.release_bf16_weights else "") + (
         f" --models {' '.join(args.models)}" if args.models else "")
     # A step of several micro-batches is another regime than the issues' one-pass rows: its own series of results

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lab (one call, <= 8 files back): build; the GPU tests of the master-fed FP8 weights (kernel, layer, ops), the
 # compile test, the transpose kernel in backward; Megatron's optimizer writing them (recipe test); the layer benchmark
-# with --release-bf16-weights and --transpose-in-backward (4 micro-batches); then the dsv3-like preset graphed.
+# with --release-bf16-weights and --transpose-in-backward (4 micro-batches); with GRID=1 the one-pass grid with the
+# optimizer's write in every twin (released, then plain); then the dsv3-like preset graphed.
 DEADLINE=${DEADLINE:-540}
 source lab/device_call.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_released_weights.py tests/test_ops.py \
@@ -20,6 +21,14 @@ bench() {  # $1: a name, $2: its limit, then the options; JSON back as <name>-<f
 }
 bench release 60 --release-bf16-weights --no-graphs
 bench transpose 60 --transpose-in-backward --no-graphs
+# the one-pass grid with the optimizer's write in every twin's step: released FP8 weights written from the masters
+# (issue 52's and 54's layer targets), then the plain FP8 path with the same write
+[ "${GRID:-0}" = 1 ] && for opt in --release-bf16-weights --optimizer-write; do
+  [ "$(left)" -lt 200 ] && break
+  timeout $(( $(left) - 10 )) python3 benchmarks/bench_mlp_layer.py --no-graphs $opt --out /tmp/grid$opt > /tmp/grid.log 2>&1
+  stamp "grid $opt rc=$?"; tail -4 /tmp/grid.log | cut -c1-400
+  for f in /tmp/grid$opt/*.json; do [ -f "$f" ] && cp "$f" "$OUT/grid$opt-$(basename "$f")"; done
+done
 limit=$(( $(left) - 5 )); [ "$limit" -gt 60 ] && {
   timeout "$limit" torchrun --nproc-per-node 1 recipes/moe_gpt.py --preset dsv3-like --permute-in-experts \
     --cuda-graph-impl full_iteration --step-refreshed-weights --modes unpadded bf16 --steps 100 --out /tmp/pd \

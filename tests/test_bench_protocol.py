@@ -399,3 +399,39 @@ def test_quoted_te_numbers_pair_only_with_an_h200():
     assert bench_mlp_layer.te_reported_comparable("NVIDIA H200")
     assert not bench_mlp_layer.te_reported_comparable("NVIDIA H100 80GB HBM3")
     assert not bench_mlp_layer.te_reported_comparable("NVIDIA H100 PCIe")
+
+
+def test_the_optimizer_write_runs_in_every_twins_step():
+    """bench_mlp_layer --optimizer-write / --release-bf16-weights on the CPU's reference kernels: each step starts with
+    the write of the weights from FP32 masters in every method (a master changed between steps reaches every twin's
+    next step), the released FP8 layer gets its copies from the masters with its BF16 memory kept freed (the layer's
+    bytes count none of it), and its step gives the plain FP8 layer's bits."""
+    import torch
+
+    import bench_mlp_layer as bml
+    from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
+
+    g, h, f = 4, 256, 128
+    sizes = torch.tensor([40, 0, 70, 18])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(128, h, generator=gen).bfloat16().requires_grad_()
+    probs = torch.rand(128, generator=gen).requires_grad_()
+    dy = torch.randn(128, h, generator=gen).bfloat16()
+    plain = GroupedFP8MLP(g, h, f, backend="reference")
+    released = GroupedFP8MLP(g, h, f, backend="reference", release_bf16_weights=True)
+    bf16 = GroupedBF16MLP(g, h, f)
+    released.load_state_dict(plain.state_dict())
+    bf16.load_state_dict(plain.state_dict())
+    steps = [bml.Step(m, x, sizes, probs, dy, True, optimizer_write=True) for m in (plain, released, bf16)]
+    for round in range(2):
+        results = [[t.clone() for t in s.results()] for s in steps]
+        assert all(torch.equal(u, v) for u, v in zip(results[0], results[1])), round
+        assert [p.untyped_storage().nbytes() for p in released.parameters()] == [0, 0]
+        plain_bytes, released_bytes = steps[0].resident_bytes(), steps[1].resident_bytes()
+        weight_bytes = sum(p.numel() * 2 for p in plain.parameters())
+        assert plain_bytes - released_bytes == weight_bytes  # after reset: no FP8 copies, BF16 only in the plain one
+        for s in steps:  # an optimizer's update of the masters, seen by each method's next step
+            for m in s.masters:
+                m.mul_(0.5)
+    steps[2].reset()
+    assert torch.equal(bf16.linear_fc1.weight, steps[2].masters[0].bfloat16())
