@@ -169,7 +169,19 @@ class _GroupedWeights(nn.Module):
     # under `weight` (in place of the G expert entries) loads as those G entries.
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        materialize_bf16_weights(self.weights)  # released ones written back from their master, or an error
+        cache = getattr(self, "weight_cache", None)
+        if isinstance(cache, ReleasedBF16Weights) and not keep_vars:
+            # release_bf16_weights: tensors of their own, never views of the parameters' memory, which the next
+            # training forward frees (a state dict kept across it would hold freed bytes); while released, the BF16
+            # rounding of the master the FP8 copies came from, and the layer stays released
+            stacked = cache.bf16_weights() if cache.released else None
+            if stacked is None:
+                materialize_bf16_weights(self.weights)  # (an error if released with no master)
+                stacked = stack_weights([w.detach() for w in self.weights]).clone()
+            for i, w in enumerate(stacked.unbind(0)):
+                destination[f"{prefix}weight{i}"] = w
+            return
+        materialize_bf16_weights(self.weights)  # keep_vars: the parameters themselves, written back from the master
         if self.weight_layout == "per_expert":
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         weight = self.weight if keep_vars else self.weight.detach()
@@ -218,7 +230,6 @@ class _GroupedWeights(nn.Module):
         parameter."""
         swap = torch.__future__.get_swap_module_params_on_conversion()
         params = self.weights
-        restore_bf16_weights(params)  # released weights get their memory back, written next (and the FP8 copies go)
         if self.weight_layout == "per_expert":
             jobs = [(name, p, v, key) for name, p, v, key in zip(self._weight_names, params, values, keys)]
         elif assign or swap:  # one [G, N, K] parameter made of the G tensors
@@ -236,7 +247,9 @@ class _GroupedWeights(nn.Module):
                 return
             jobs = [("weight", params[0], source, stacked_key)]
         else:  # copied expert by expert into the slices of the one parameter
+            restore_bf16_weights(params)  # (released: the memory back before its views are made)
             jobs = [(None, params[0][i], v, key) for i, (v, key) in enumerate(zip(values, keys))]
+        restore_bf16_weights(params)  # released weights get their memory back, written next (and the FP8 copies go)
         for name, param, value, key in jobs:
             if param.is_meta and not value.is_meta and not assign:
                 warnings.warn(f"for {key}: copying from a non-meta parameter in the checkpoint to a meta parameter in "

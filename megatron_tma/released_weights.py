@@ -76,7 +76,7 @@ class ReleasedBF16Weights:
 
     @property
     def released(self) -> bool:
-        return self._value is not None
+        return bool(self._params)
 
     def invalidate(self) -> None:
         """Megatron's first-micro-batch flag: while released, the held copies are the weights (nothing changed them
@@ -99,13 +99,18 @@ class ReleasedBF16Weights:
             raise RuntimeError("release_bf16_weights: a layer that frees its BF16 weights cannot be captured in a CUDA "
                                "graph (their memory moves when it comes back); build it without release_bf16_weights")
         if self.released:
+            if len(weights) != len(self._params) or any(w is not p for w, p in zip(weights, self._params)):
+                raise RuntimeError("release_bf16_weights: the layer's weights were replaced while released (their "
+                                   "FP8 copies are of the old ones); load new weights with load_state_dict")
             if self._value.qt is None and keep_transposed:
                 raise RuntimeError("release_bf16_weights: the copies held lack W^T (keep_transposed changed while "
                                    "the weights were released)")
             return self._value
         value = self.inner.get(weights, pow2, backend, keep_transposed)
         self._settings = (pow2, backend, keep_transposed)
-        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+        # Only weights that all train are released: an optimizer writes back the ones it holds, and Megatron's leaves
+        # out those with requires_grad=False (their memory would come back uninitialised with the others')
+        if torch.is_grad_enabled() and all(w.requires_grad for w in weights):
             self._release(tuple(weights), value)
         return value
 
@@ -124,12 +129,28 @@ class ReleasedBF16Weights:
         from .autograd import QuantizedWeights
 
         pow2, backend, keep_transposed = self._settings
-        self._value = None
+        self._value = self._master = None
         self.inner.invalidate()
-        with torch.no_grad():
-            q, s, qt, st = quant.quantize_128x128_from_master(master.detach(), pow2, backend=backend)
+        try:
+            with torch.no_grad():
+                q, s, qt, st = quant.quantize_128x128_from_master(master.detach(), pow2, backend=backend)
+        except BaseException:
+            # (out of memory at the step's peak, say) the weights back in BF16, as the optimizer's copy makes them,
+            # so that the layer stays usable and consistent with the others
+            param = self._params[0]
+            self.restore()
+            with torch.no_grad():
+                param.copy_(master)
+            raise
         self._value = QuantizedWeights(q, s, qt, st) if keep_transposed else QuantizedWeights(q, s, None, None)
         self._master = master
+
+    def bf16_weights(self):
+        """The BF16 weights as the optimizer's copy would have made them, while released (fresh tensors from the
+        master the copies were written from: the layer stays released), or None when it holds no master."""
+        if self._master is None:
+            return None
+        return self._master.detach().to(torch.bfloat16)
 
     def materialize(self) -> bool:
         """Write the BF16 weights back from the master the copies were written from (its BF16 rounding, as the
@@ -148,7 +169,11 @@ class ReleasedBF16Weights:
     def _release(self, weights, value) -> None:
         storage = weights[0].untyped_storage()
         nbytes = sum(w.numel() * w.element_size() for w in weights)
-        if any(w.untyped_storage().data_ptr() != storage.data_ptr() for w in weights) or storage.nbytes() != nbytes:
+        if any(w.untyped_storage().data_ptr() != storage.data_ptr() for w in weights):
+            raise RuntimeError(
+                "release_bf16_weights: the layer's weights lie in separate storages (moved one by one with .to(), or "
+                "assigned from a checkpoint's tensors); the layer frees one storage of its own: build it on its device")
+        if storage.nbytes() != nbytes:
             # e.g. the views of Megatron's distributed optimizer's parameter buffer: freeing it frees other weights
             raise RuntimeError(
                 "release_bf16_weights: the layer's weights must be the only tensors in their storage (one storage "
@@ -242,8 +267,14 @@ def attach_optimizer(optimizer) -> int:
     of its model right before it copies its FP32 main params into them. Returns how many optimizers it attached to.
     Refuses Megatron's distributed optimizer and anything without that copy."""
     count = 0
+    if type(optimizer).__name__ == "LayerWiseDistributedOptimizer":  # (its all-gather copies into every rank's weights)
+        raise TypeError("release_bf16_weights: Megatron's LayerWiseDistributedOptimizer copies other ranks' updated "
+                        "weights into the BF16 parameters, which released layers no longer hold; use the plain "
+                        "optimizer or build the experts without release_bf16_weights")
     for opt in _mixed_precision_optimizers(optimizer):
         name = type(opt).__name__
+        if getattr(opt, "is_stub_optimizer", False):  # (Megatron's empty stand-in for a rank with no parameters)
+            continue
         if name == "DistributedOptimizer" or not hasattr(opt, "float16_groups"):
             raise TypeError(
                 f"release_bf16_weights: {name} is not Megatron's Float16OptimizerWithFloat16Params, whose copy of "

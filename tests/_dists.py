@@ -44,3 +44,12 @@ def random_rows(m: int, k: int, gen: torch.Generator, dtype=torch.bfloat16, spre
     x = torch.randn(m, k, generator=gen)
     exps = torch.randint(-spread, spread + 1, (m, 1), generator=gen).float()
     return (x * torch.exp2(exps)).to(dtype)
+
+
+def double_rounding_block(g=1):
+    """FP32 masters whose BF16 rounding changes their FP8 byte: in a block of amax 448 (scale 1), 1.0625 + 2^-12
+    rounds to 1.0625 in BF16, an e4m3 tie that goes to the even 1.0, where the FP32 value itself rounds to 1.125."""
+    master = torch.zeros(g, 128, 128)
+    master[:, 0, 0] = 448.0
+    master[:, 1, 1] = 1.0625 + 2.0 ** -12
+    return master

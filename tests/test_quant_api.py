@@ -2,7 +2,7 @@
 the fake (meta) implementations that torch.compile uses against the reference layouts."""
 import pytest
 import torch
-from _dists import group_tensor, random_rows
+from _dists import double_rounding_block, group_tensor, random_rows
 
 from megatron_tma import ops
 from megatron_tma import reference as R
@@ -112,12 +112,16 @@ def test_validation_messages(call, exc, match):
 
 
 def test_from_master_is_the_quantization_of_the_bf16_rounding(gen):
-    """The master weights' op on the CPU: quantize_128x128 of their BF16 rounding, byte for byte (the CUDA kernel is
-    held to the same: tests/test_quant_gpu.py)."""
+    """The master weights' op on the CPU: quantize_128x128 of their BF16 rounding, byte for byte, which differs from
+    quantizing the FP32 values themselves where the rounding matters (the CUDA kernel is held to the same:
+    tests/test_quant_gpu.py)."""
     master = torch.randn(3, 144, 272, generator=gen) * 7
     for got, want in zip(quantize_128x128_from_master(master), quantize_128x128(master.bfloat16())):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) if got.dtype != torch.float32 else \
             torch.equal(got, want)
+    for pow2 in (False, True):
+        q = quantize_128x128_from_master(double_rounding_block(), pow2)[0]
+        assert float(q[0, 1, 1]) == 1.0 and float(R.quantize_128x128(double_rounding_block(), pow2)[0][0, 1, 1]) == 1.125
 
 
 @pytest.mark.parametrize("m,k", [(0, 128), (1, 16), (5, 272), (130, 128)])

@@ -4,7 +4,7 @@ replay with new group sizes, no host synchronisation, torch.compile. Skipped wit
 """
 import pytest
 import torch
-from _dists import EDGE_GROUPINGS, GROUP_FORMATS, group_tensor, make_group_sizes, random_rows
+from _dists import EDGE_GROUPINGS, GROUP_FORMATS, double_rounding_block, group_tensor, make_group_sizes, random_rows
 
 from megatron_tma import _ext
 from megatron_tma import reference as R
@@ -177,7 +177,8 @@ def test_128x128_refresh_writes_or_skips_on_the_device(gen, shape, transposed):
 def test_128x128_from_master_is_the_bf16_roundings_quantization(gen, shape, pow2):
     """quantize_128x128_from_master (FP32 masters, megatron_tma.released_weights): byte for byte the CUDA quantizer of
     the masters' BF16 rounding, on values that round (random FP32 mantissas, exact ties to even, values that round up
-    into the next binade) and partial edge blocks, and the reference's."""
+    into the next binade, a block where the rounding decides an FP8 byte) and partial edge blocks, and the
+    reference's."""
     g, n, k = shape
     master = torch.randn(g, n, k, generator=gen) * torch.exp2(torch.randint(-20, 20, (g, n, 1), generator=gen).float())
     bits = master.view(torch.int32)
@@ -185,8 +186,11 @@ def test_128x128_from_master_is_the_bf16_roundings_quantization(gen, shape, pow2
     bits[ties] = (bits[ties] & ~0xFFFF) | 0x8000
     up = torch.rand(master.shape, generator=gen) < 0.05  # mantissas of all ones: rounding carries into the exponent
     bits[up] = bits[up] | 0x7FFFFF
+    if n >= 128 and k >= 128:  # a block where the BF16 rounding changes an FP8 byte (the FP32 value rounds up)
+        master[:1, :128, :128] = double_rounding_block()
     master = master.to(DEV)
     got = quantize_128x128_from_master(master, pow2, backend="cuda")
+    assert n < 128 or k < 128 or float(got[0][0, 1, 1]) == 1.0
     for want in (quantize_128x128(master.bfloat16(), pow2, backend="cuda"),
                  quantize_128x128_from_master(master, pow2, backend="reference")):
         for u, v in zip(got, want):

@@ -106,12 +106,20 @@ def test_a_released_layer_trains_the_same_bits(gen, place, layout):
         for a, b in ((plain.linear_fc1, released.linear_fc1), (plain.linear_fc2, released.linear_fc2)):
             want = quant.quantize_128x128(a.weight.detach(), backend=place[1])
             assert all(torch.equal(_bytes(u), _bytes(v)) for u, v in zip(b.weight_cache._value, want))
-    # a checkpoint writes the BF16 weights back from the masters: the plain layer's, bit for bit
-    state, want = released.state_dict(), plain.state_dict()
+    # a checkpoint's BF16 weights: the plain layer's, bit for bit (stacked: made from the masters, still released)
+    state, want = released.state_dict(), {k: v.clone() for k, v in plain.state_dict().items()}
     assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
-    assert not any(rw.is_released(p) for p in released.parameters())
-    got = [_micro_batch(m, x, probs, dy) for m in (plain, released)]  # and the layer trains on from them
+    assert all(rw.is_released(p) for p in released.parameters()) == (layout == "stacked")
+    got = [_micro_batch(m, x, probs, dy) for m in (plain, released)]  # and the layer trains on
     assert all(torch.equal(u, v) for u, v in zip(*got))
+    for opt in opts:
+        opt.step()
+    # the state dict taken before is tensors of its own: the training since (memory freed, copies rewritten) left it
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    if layout == "stacked":  # Megatron's sharded checkpoint reads the parameters themselves: written back
+        kept, want = released.state_dict(keep_vars=True), plain.state_dict()
+        assert all(torch.equal(kept[k], want[k]) for k in want)
+        assert not any(rw.is_released(p) for p in released.parameters())
 
 
 @pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
@@ -181,3 +189,52 @@ def test_the_settings_it_cannot_serve_are_refused(gen):
         _micro_batch(released, x, None, dy)
     with pytest.raises(RuntimeError, match="nn.DataParallel's replicas share the weights"):
         _mlp(True).linear_fc1._replicate_for_data_parallel()
+
+
+def test_what_can_go_wrong_leaves_the_layer_whole(gen, monkeypatch):
+    """Weights that do not all train are never released (an optimizer leaves frozen ones unwritten); a failed write
+    from the masters (out of memory at the step's peak, say) leaves the layer with its BF16 weights as the
+    optimizer's copy makes them; a failed load leaves the layer as it was; weights replaced while released are
+    refused; Megatron's layer-wise distributed optimizer is refused and its empty stub optimizers skipped."""
+    x, dy = torch.randn(40, H, generator=gen).bfloat16(), torch.randn(40, H, generator=gen).bfloat16()
+    frozen = _mlp(True, weight_layout="per_expert")
+    frozen.linear_fc1.weight1.requires_grad_(False)
+    _micro_batch(frozen, x, None, dy)
+    assert not rw.is_released(frozen.linear_fc1.weight0) and rw.is_released(frozen.linear_fc2.weight0)
+
+    plain, released = _mlp(False), _mlp(True)
+    opts = [MixedPrecisionOptimizer(m.parameters()) for m in (plain, released)]
+    rw.attach_optimizer(opts[1])
+    for m in (plain, released):
+        _micro_batch(m, x, None, dy)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(quant, "quantize_128x128_from_master", out_of_memory)
+    opts[0].step()
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        opts[1].step()
+    monkeypatch.undo()
+    assert not rw.is_released(released.linear_fc1.weight)  # the first layer written back in BF16, then the error
+    assert torch.equal(released.linear_fc1.weight, plain.linear_fc1.weight)
+
+    released = _mlp(True)
+    opt = MixedPrecisionOptimizer(released.parameters())
+    rw.attach_optimizer(opt)
+    out = _micro_batch(released, x, None, dy)[0]
+    held = released.linear_fc1.weight_cache._value
+    bad = _mlp(False).state_dict()  # assign=True from experts of two dtypes: refused (no one [G, N, K] of them)
+    bad["linear_fc1.weight0"] = bad["linear_fc1.weight0"].double()
+    with pytest.raises(RuntimeError, match="differ in dtype or device"):
+        released.load_state_dict(bad, assign=True)
+    assert rw.is_released(released.linear_fc1.weight) and released.linear_fc1.weight_cache._value is held
+    assert torch.equal(_micro_batch(released, x, None, dy)[0], out)
+    released.linear_fc2.weight = torch.nn.Parameter(torch.zeros(released.linear_fc2.weight.shape, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="replaced while released"):
+        _micro_batch(released, x, None, dy)
+
+    stub = type("StubOptimizer", (), {"is_stub_optimizer": True})()
+    assert rw.attach_optimizer(type("ChainedOptimizer", (), {"chained_optimizers": [stub, opt]})()) == 1
+    with pytest.raises(TypeError, match="LayerWiseDistributedOptimizer copies other ranks"):
+        rw.attach_optimizer(type("LayerWiseDistributedOptimizer", (), {"chained_optimizers": [opt]})())
