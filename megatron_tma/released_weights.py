@@ -19,9 +19,10 @@ Who writes the weights:
   are views of one shared buffer, which no layer may free alone, and its masters are shards.
 * `write_weights_from_masters(params, masters)`, for an optimizer of one's own with FP32 masters.
 * `load_state_dict` of the layer (its memory back, the checkpoint copied in; the next forward quantizes and releases).
-Checkpoints read BF16 weights: a state dict (and the Megatron experts' `sharded_state_dict`) writes them back from the
-masters first (`materialize_bf16_weights`: the BF16 rounding, the plain layer's bits); the next forward releases them
-again. Refused with a clear error: a torch optimizer stepping on the released parameters themselves (no master: a
+Checkpoints read BF16 weights: a state dict holds the masters' BF16 rounding (`bf16_weights`: fresh tensors, the plain
+layer's bits; the layer stays released), and the Megatron experts' `sharded_state_dict`, whose entries are the
+parameters themselves, writes them back from the masters (`materialize_bf16_weights`); the next forward releases them
+again. Only layers whose weights all train are released (an optimizer writes back only the weights it holds). Refused with a clear error: a torch optimizer stepping on the released parameters themselves (no master: a
 global pre-step hook), a state dict while released before any master wrote the copies, the main params' reload from
 released weights; CUDA-graph capture (the memory moves) and code torch.compile traces. A step that an optimizer skips
 (Megatron's on a non-finite gradient) writes nothing: the copies stay valid.
