@@ -42,10 +42,11 @@ def _exclusive_cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
 def _destinations(units: torch.Tensor, widths: Sequence[int]) -> List[torch.Tensor]:
     """Where each source's units (columns, or block rows) go in the combined layout.
 
-    units: int64 [S, G], source s's units of group g (a 128-multiple of columns, or blocks), in group order from
+    units: int64 [S, G], source s's units of group g, in group order from
     unit 0 of the source; widths[s]: the source's total units (its buffer's extent), the rest of it a zero tail.
     The combined layout holds group 0's units of source 0, 1, ..., then group 1's, ..., then every source's tail in
-    source order: a bijection onto sum(widths) units. Returns one int64 index per source, tensor ops only."""
+    source order: a bijection onto sum(widths) units. Returns one int64 index per source, tensor ops only. (Units here
+    are 128-token blocks: of columns for the FP8 operands, of scale rows for their scales.)"""
     num_sources, g = units.shape
     per_group = units.sum(0)  # [G]
     group_start = _exclusive_cumsum(per_group, 0)  # [G]
@@ -76,7 +77,9 @@ def combine_wgrad_operands(pending: List[PendingWgrad]) -> PendingWgrad:
     sizes = torch.stack([group_sizes(p.groups.tensor, p.groups.is_offsets).to(torch.int64).clamp(min=0)
                          for p in pending])  # [S, G]
     blocks = (sizes + BLOCK - 1) // BLOCK  # [S, G]
-    col_dest = _destinations(blocks * BLOCK, [p.dyt.shape[1] for p in pending])
+    # The columns move as whole 128-column blocks (each source's P is a multiple of 128, wgrad_pitch): an index per
+    # block, each copied as 128 contiguous bytes of every row, not an index per byte column
+    col_dest = _destinations(blocks, [p.dyt.shape[1] // BLOCK for p in pending])
     row_dest = _destinations(blocks, [p.dyt_s.shape[0] for p in pending])
 
     def empty(field: int, dim: int) -> torch.Tensor:
@@ -91,7 +94,11 @@ def combine_wgrad_operands(pending: List[PendingWgrad]) -> PendingWgrad:
         source, pending[s] = pending[s], None  # the list's reference goes with the copy: freed once copied
         for i, (dim, dest) in enumerate(((1, col_dest[s]), (0, row_dest[s]), (1, col_dest[s]), (0, row_dest[s]))):
             t = source[i]
-            out[i].index_copy_(dim, dest, t.view(torch.uint8) if t.dtype.itemsize == 1 else t)
+            if dim == 1:  # [rows, P] bytes as [rows, P / 128, 128]: blocks of columns
+                t = t.view(torch.uint8).contiguous()
+                out[i].view(t.shape[0], -1, BLOCK).index_copy_(1, dest, t.view(t.shape[0], -1, BLOCK))
+            else:
+                out[i].index_copy_(dim, dest, t)
         del source, t
     pending.clear()
     return PendingWgrad(out[0].view(fp8), out[1], out[2].view(fp8), out[3],
