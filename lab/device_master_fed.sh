@@ -10,7 +10,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_
   tests/test_quant_gpu.py -k "not (test_1x128 or grouped)" > "$OUT/tests.log" 2>&1
 stamp "tests rc=$?"; tail -3 "$OUT/tests.log"
 [ "$(left)" -gt 100 ] && { timeout $(( $(left) - 10 < 240 ? $(left) - 10 : 240 )) python3 -m pytest -q -p no:cacheprovider \
-  --tb=short -rfE -m recipe_run -k "released_bf16 or plain-released" tests/test_mcore_gpu.py > "$OUT/recipe.log" 2>&1
+  --tb=short -rfE -m recipe_run -k "released_bf16 or plain-released or plain-graphed" tests/test_mcore_gpu.py > "$OUT/recipe.log" 2>&1
   stamp "recipe rc=$?"; tail -3 "$OUT/recipe.log"; }
 bench() {  # $1: a name, $2: its limit, then the options; JSON back as <name>-<file>
   local name=$1 limit=$2; shift 2

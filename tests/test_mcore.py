@@ -818,6 +818,52 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     assert "distrib_optim_sharding_type" not in metadata and "dp_cp_group" in metadata
 
 
+def test_rng_tracker_states_round_trip_as_bytes():
+    """The checkpoint's RNG tracker states (megatron_tma.mcore.checkpoint): a graph-safe tracker's generators (what a
+    CUDA-graphed run seeds) saved as byte states, loaded back into a graph-safe tracker's generators in place (the
+    objects a graph registers stay) or into a plain tracker as bytes, and a plain tracker's bytes into generators:
+    each draws on as the saved one would. CPU generators stand in for Megatron's CUDA ones (the same Generator API)."""
+    from megatron_tma.mcore import checkpoint
+
+    class Tracker:  # Megatron's CudaRNGStatesTracker's get_states / set_states
+        def __init__(self, states):
+            self.states_ = states
+
+        def get_states(self):
+            return dict(self.states_)
+
+        def set_states(self, states):
+            self.states_ = states
+
+    def generator(seed):
+        return torch.Generator().manual_seed(seed)
+
+    names = ("model-parallel-rng", "expert-parallel-rng")
+    graphed = Tracker({n: generator(i) for i, n in enumerate(names)})
+    torch.rand(3, generator=graphed.states_[names[0]])  # a drawn-from state, not a fresh seed
+    saved = checkpoint.portable_tracker_states(graphed.get_states())
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in saved.values())
+    want = {n: torch.rand(4, generator=graphed.states_[n]) for n in names}  # what the saved states draw next
+
+    other = Tracker({n: generator(9) for n in names})
+    objects = dict(other.states_)
+    checkpoint.restore_tracker_states(other, saved)
+    assert all(other.states_[n] is objects[n] for n in names)
+    assert all(torch.equal(torch.rand(4, generator=other.states_[n]), want[n]) for n in names)
+
+    plain = Tracker({n: torch.zeros(1, dtype=torch.uint8) for n in names})
+    checkpoint.restore_tracker_states(plain, saved)
+    for n in names:
+        g = torch.Generator()
+        g.set_state(plain.states_[n])
+        assert torch.equal(torch.rand(4, generator=g), want[n])
+    again = Tracker({n: generator(7) for n in names})  # a plain tracker's bytes into a graph-safe one
+    checkpoint.restore_tracker_states(again, plain.get_states())
+    assert all(torch.equal(torch.rand(4, generator=again.states_[n]), want[n]) for n in names)
+    with pytest.raises(RuntimeError, match=r"RNG tracker states \['expert-parallel-rng'\]"):
+        checkpoint.restore_tracker_states(Tracker({names[0]: generator(1)}), saved)
+
+
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
 def test_run_checkpoint_saves_only_under_its_directorys_lock(megatron_cpu, tmp_path, monkeypatch, another_job_saving):
     """Issue 55 item 5 for megatron_tma.mcore.checkpoint: a second job saving into one directory deleted the first

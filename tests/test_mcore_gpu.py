@@ -144,7 +144,8 @@ TE_FP8 = ("--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "-
 
 
 @pytest.mark.parametrize("optimizer", ["plain", "distributed", "distributed-fully-reshardable", "plain-te",
-                                       "distributed-te", "plain-apex", "distributed-apex", "plain-released"])
+                                       "distributed-te", "plain-apex", "distributed-apex", "plain-released",
+                                       "plain-graphed"])
 def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     """Issue 26 item 2: save during training, kill, resume: the resumed run trains the same bits as an uninterrupted
     one, for Megatron's mixed-precision optimizer and for its distributed optimizer in both its checkpoint formats
@@ -169,7 +170,10 @@ def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
             "plain-apex": APEX_FUSION, "distributed-apex": ("--distributed-optimizer", *APEX_FUSION),
             # the experts' BF16 weights released, their FP8 copies written from the masters (issue 54): the checkpoint
             # writes the weights back from the masters, the resumed run quantizes them and releases them again
-            "plain-released": ("--release-bf16-expert-weights",)}
+            "plain-released": ("--release-bf16-expert-weights",),
+            # from Megatron's full-iteration CUDA graph (issue 53): the graph-safe RNG trackers' states round trip as
+            # bytes; the resumed run warms up eagerly and captures again; its eager twin resumes from the same save
+            "plain-graphed": ("--permute-in-experts", "--cuda-graph-impl", "full_iteration")}
     common = ("--steps", "10", "--modes", "unpadded", "padded16", *opts[optimizer])
     ckpt = tmp_path / "ckpt"
     rc, stdout, stderr = killed_run(tmp_path, *common, "--save", str(ckpt), "--save-interval", "3", kill_after_step=7)
@@ -185,6 +189,8 @@ def test_recipe_resumes_bit_exact_after_a_kill(tmp_path, optimizer):
     row = result["summary"]["padded16"]
     assert row["same_initial_weights"]  # the initial weights' digests come back with the checkpoint's records
     assert row["bitexact_losses"] and row["bitexact_grad_norms"] and row["bitexact_params"]
+    if optimizer == "plain-graphed":
+        assert result["head_to_head"]["graphed_vs_eager"]["bitexact"], result["head_to_head"]
 
 
 def _check_parallel_run(summary):

@@ -276,6 +276,31 @@ def _metadata(optimizer, optim_format: str) -> dict:
     return metadata
 
 
+def portable_tracker_states(states: dict) -> dict:
+    """Megatron's model-parallel RNG tracker states as the checkpoint keeps them: byte tensors. A graph-safe tracker's
+    (`use_cudagraphable_rng`, what CUDA graphs need) are torch Generators, which graphs register: their byte state
+    (`get_state()`, the format of `torch.cuda.get_rng_state()`) instead, so that a checkpoint of a graphed run loads
+    into an eager one and the other way round."""
+    return {name: s.get_state() if isinstance(s, torch.Generator) else s for name, s in states.items()}
+
+
+def restore_tracker_states(tracker, saved: dict) -> None:
+    """The saved byte states back into `tracker`: a graph-safe tracker's generators take them in place (the objects
+    stay: a CUDA graph captured later registers these), a plain tracker's states are the bytes themselves."""
+    current = tracker.get_states()
+    graph_safe = any(isinstance(s, torch.Generator) for s in current.values())
+    if not graph_safe:
+        tracker.set_states({name: s.get_state() if isinstance(s, torch.Generator) else s for name, s in saved.items()})
+        return
+    missing = sorted(set(saved) - set(current))
+    if missing:
+        raise RuntimeError(f"the checkpoint has RNG tracker states {missing} that this run's graph-safe tracker does not "
+                           "(the model was built with other parallel settings?)")
+    for name, s in saved.items():
+        current[name].set_state(s.get_state() if isinstance(s, torch.Generator) else s)
+    tracker.set_states(current)
+
+
 def _state(models, optimizer, optim_format: str, progress, *, loading: bool, with_rng: bool = True):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -287,7 +312,7 @@ def _state(models, optimizer, optim_format: str, progress, *, loading: bool, wit
     state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=metadata)
     rng = None if loading else {"python": random.getstate(), "torch": torch.get_rng_state(),
                                 "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                                "tracker": get_cuda_rng_tracker().get_states()}
+                                "tracker": portable_tracker_states(get_cuda_rng_tracker().get_states())}
     rank, world = dist.get_rank(), dist.get_world_size()
     if with_rng:  # one object per global rank: restored only at the same world size (load_checkpoint)
         state["rng_state"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
@@ -443,5 +468,5 @@ def load_checkpoint(directory: str, models, optimizer, *, iteration: Optional[in
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"])
-    get_cuda_rng_tracker().set_states(rng["tracker"])
+    restore_tracker_states(get_cuda_rng_tracker(), rng["tracker"])
     return iteration, state["progress"]

@@ -310,9 +310,7 @@ def cuda_graph_refusal(args):
                         ("--recompute-modules", args.recompute_modules), ("--recompute-full", args.recompute_full),
                         ("--overlap-grad-reduce", args.overlap_grad_reduce),
                         ("--overlap-param-gather", args.overlap_param_gather),
-                        ("--profile-step", args.profile_step is not None),
-                        # (the graph-safe RNG trackers are torch Generators: their checkpoint not tried yet)
-                        ("--save", args.save is not None), ("--load", args.load is not None)):
+                        ("--profile-step", args.profile_step is not None)):
         if asked:
             return f"--cuda-graph-impl full_iteration does not take {flag} yet"
     if args.steps <= args.cuda_graph_warmup_steps:
