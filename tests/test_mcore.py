@@ -2,6 +2,7 @@
 modules on the reference backend (Megatron's forward contract, parameter marks, state-dict keys, the FP8 weight
 cache's invalidation by Megatron's per-iteration signal), and, where megatron-core is installed, the spec switch.
 The whole Megatron model runs on the GPU (tests/test_mcore_gpu.py, recipes/moe_gpt.py)."""
+import contextlib
 import importlib.util
 import os
 import types
@@ -816,6 +817,74 @@ def test_run_checkpoint_saves_and_resumes(megatron_cpu, tmp_path, monkeypatch):
     metadata = checkpoint._metadata(opt, "dp_reshardable")
     assert metadata["chained_optim_avoid_prefix"] is True and metadata["singleton_local_shards"] is False
     assert "distrib_optim_sharding_type" not in metadata and "dp_cp_group" in metadata
+
+
+@contextlib.contextmanager
+def _megatron_optimizer_on_the_cpu():
+    """Megatron's mixed-precision optimizer built and stepped on the CPU: its CUDA-only pieces (the unity loss scale
+    tensor it makes on 'cuda', the parameter type check that wants CUDA BF16 tensors) pointed at the CPU."""
+    from unittest import mock
+
+    real_tensor, real_type = torch.tensor, torch.Tensor.type
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return real_tensor(*args, **kwargs)
+
+    def tensor_type(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and ".cuda." not in name else name
+
+    with mock.patch.object(torch, "tensor", tensor), mock.patch.object(torch.Tensor, "type", tensor_type):
+        yield
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (the GPU machine carries it)")
+def test_megatrons_mixed_precision_optimizer_writes_released_expert_weights(gen):
+    """megatron_tma.released_weights.attach_optimizer on Megatron's own Float16OptimizerWithFloat16Params (its
+    step: the main grads, Adam on the FP32 masters, its copy into the model): the released experts' FP8 copies written
+    from the masters, their BF16 memory never back, another BF16 parameter of the same optimizer copied by Megatron's
+    own copy; three steps train the bits of the same optimizer over experts that keep their BF16 weights."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from megatron_tma import released_weights
+    from megatron_tma.mlp import GroupedFP8MLP
+
+    def build(release):
+        torch.manual_seed(0)
+        experts = GroupedFP8MLP(4, 256, 128, backend="reference", release_bf16_weights=release)
+        other = torch.nn.Parameter(torch.randn(64).bfloat16())
+        params = [*experts.parameters(), other]
+        for p in params:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        with _megatron_optimizer_on_the_cpu():
+            opt = Float16OptimizerWithFloat16Params(torch.optim.Adam(params, lr=1e-2),
+                                                    OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.0), None,
+                                                    lambda o, c=None: None)
+        return experts, other, opt
+
+    runs = [build(False), build(True)]
+    assert released_weights.attach_optimizer(runs[1][2]) == 1
+    sizes = torch.tensor([10, 0, 40, 14])
+    for step in range(3):
+        x, dy = torch.randn(64, 256, generator=gen).bfloat16(), torch.randn(64, 256, generator=gen).bfloat16()
+        outs = []
+        for experts, other, opt in runs:
+            xi = x.clone().requires_grad_()
+            out, _ = experts(xi, sizes)
+            out.backward(dy)
+            other.main_grad.copy_(torch.linspace(-1, 1, 64))
+            with _megatron_optimizer_on_the_cpu():
+                assert opt.step()[0]
+            for p in [*experts.parameters(), other]:
+                p.main_grad.zero_()
+            outs.append([out, xi.grad, other.detach().clone()])
+        assert all(torch.equal(u, v) for u, v in zip(*outs)), step
+        assert [p.untyped_storage().nbytes() for p in runs[1][0].parameters()] == [0, 0]
+    plain, released = runs[0][0].state_dict(), runs[1][0].state_dict()
+    assert all(torch.equal(plain[k], released[k]) for k in plain)
 
 
 def test_rng_tracker_states_round_trip_as_bytes():
