@@ -42,6 +42,8 @@ __all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "materializ
 
 # parameter -> the ReleasedBF16Weights that released it (by identity, weak: a dropped layer leaves no entry)
 _RELEASED = WeakIdKeyDictionary()
+# parameters of the Megatron optimizers attach_optimizer wrapped (weak, by identity): what their step writes back
+_ATTACHED = WeakIdKeyDictionary()
 
 
 def is_released(param: torch.Tensor) -> bool:
@@ -146,12 +148,23 @@ class ReleasedBF16Weights:
         self._value = QuantizedWeights(q, s, qt, st) if keep_transposed else QuantizedWeights(q, s, None, None)
         self._master = master
 
+    def _known_master(self):
+        """The FP32 master of the released weights: the one the copies were written from, or, before any write (every
+        step so far skipped), the one Megatron's mixed-precision optimizer hangs on the parameter (`main_param`), which
+        the BF16 weights were last copied from; None when there is neither (a layer of G parameters has none)."""
+        if self._master is not None:
+            return self._master
+        if len(self._params) == 1:
+            master = getattr(self._params[0], "main_param", None)
+            if isinstance(master, torch.Tensor) and master.shape == self._params[0].shape:
+                return master
+        return None
+
     def bf16_weights(self):
         """The BF16 weights as the optimizer's copy would have made them, while released (fresh tensors from the
-        master the copies were written from: the layer stays released), or None when it holds no master."""
-        if self._master is None:
-            return None
-        return self._master.detach().to(torch.bfloat16)
+        master: the layer stays released), or None when no master is known."""
+        master = self._known_master()
+        return None if master is None else master.detach().to(torch.bfloat16)
 
     def materialize(self) -> bool:
         """Write the BF16 weights back from the master the copies were written from (its BF16 rounding, as the
@@ -159,7 +172,7 @@ class ReleasedBF16Weights:
         releases them again. False when released with no master to write from (nothing done)."""
         if not self.released:
             return True
-        master, param = self._master, self._params[0]
+        master, param = self._known_master(), self._params[0]
         if master is None:
             return False
         self.restore()
@@ -180,6 +193,11 @@ class ReleasedBF16Weights:
                 "release_bf16_weights: the layer's weights must be the only tensors in their storage (one storage "
                 f"of {nbytes} bytes; this one has {storage.nbytes()}): parameters inside a shared buffer, such as "
                 "Megatron's distributed optimizer's, cannot be released")
+        if any(hasattr(w, "main_param") and w not in _ATTACHED for w in weights):
+            # Megatron's mixed-precision optimizer holds these weights (it hangs their master on them) but would copy
+            # its masters into memory that is gone: its copy must be the attached one
+            raise RuntimeError("release_bf16_weights: Megatron's optimizer over these expert weights is not attached; "
+                               "call megatron_tma.released_weights.attach_optimizer(optimizer) after building it")
         for w in weights:
             _RELEASED[w] = self
         storage.resize_(0)
@@ -299,6 +317,9 @@ def attach_optimizer(optimizer) -> int:
         opt._copy_main_params_to_model_params = restore_then_copy
         opt._copy_model_params_to_main_params = refuse_released_reads
         opt._megatron_tma_restores_released = True
+        for group in opt.float16_groups:
+            for p in group:
+                _ATTACHED[p] = True
         count += 1
     return count
 

@@ -866,8 +866,12 @@ def test_megatrons_mixed_precision_optimizer_writes_released_expert_weights(gen)
         return experts, other, opt
 
     runs = [build(False), build(True)]
-    assert released_weights.attach_optimizer(runs[1][2]) == 1
     sizes = torch.tensor([10, 0, 40, 14])
+    x = torch.randn(64, 256, generator=gen).bfloat16().requires_grad_()
+    with pytest.raises(RuntimeError, match="optimizer over these expert weights is not attached"):
+        runs[1][0](x, sizes)  # (its step would copy the masters into freed memory)
+    assert not any(released_weights.is_released(p) for p in runs[1][0].parameters())
+    assert released_weights.attach_optimizer(runs[1][2]) == 1
     for step in range(3):
         x, dy = torch.randn(64, 256, generator=gen).bfloat16(), torch.randn(64, 256, generator=gen).bfloat16()
         outs = []
