@@ -229,7 +229,7 @@ def _refuse_steps_on_released(optimizer, args, kwargs) -> None:
 _pre_step_hook = register_optimizer_step_pre_hook(_refuse_steps_on_released)
 
 
-def write_weights_from_masters(params, masters) -> int:
+def write_weights_from_masters(params, masters) -> list:
     """An optimizer step's write of its FP32 `masters` into the BF16 `params`, for the layers that released theirs:
     their FP8 copies straight from the masters (`ReleasedBF16Weights.write_from_master`: no BF16 weights made), the
     other released ones' memory given back (uninitialised). Returns [(param, master)], the pairs the caller still
