@@ -3,6 +3,7 @@ read results back (--compare, --same-bits)."""
 import datetime
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -178,11 +179,28 @@ def graphed_vs_eager(graphed, eager):
             "peak_mb": {"graphed": graphed.get("peak_mb"), "eager": eager.get("peak_mb")}}
 
 
+def source_commit() -> str:
+    """The commit the run's sources are (MEGATRON_TMA_COMMIT where a copy has no .git), "-dirty" when the kernels,
+    the package or the recipe differ from it; "unknown" without either."""
+    env = os.environ.get("MEGATRON_TMA_COMMIT")
+    if env:
+        return env
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "csrc", "megatron_tma", "recipes"], cwd=root,
+                            stderr=subprocess.DEVNULL) != 0
+    return sha + ("-dirty" if dirty else "")
+
+
 def write_results(args, runs, report, failures, world, loss_floor, extra_head_to_head=None):
     stamp = datetime.datetime.now(datetime.timezone.utc)
     add_throughput(report, vars(args), world)
     result = {
-        "benchmark": "moe_gpt", "commit": os.environ.get("MEGATRON_TMA_COMMIT", "unknown"),
+        "benchmark": "moe_gpt", "commit": source_commit(),
         "gpu": "none (CPU job)" if args.cpu else torch.cuda.get_device_name(), "date": stamp.isoformat(),
         "world_size": world, "environment": None if args.cpu else mc.environment(),
         "command": "torchrun --nproc-per-node %d recipes/moe_gpt.py %s" % (world, " ".join(sys.argv[1:])),
