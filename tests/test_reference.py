@@ -775,3 +775,19 @@ def test_diff(gen):
     assert T.diff(x.bfloat16(), x) < 1e-4 and T.diff(x.bfloat16(), x) > 0
     with pytest.raises(ValueError, match=r"diff: shapes differ, \(100,\) vs \(10, 10\)"):
         T.diff(x, x.reshape(10, 10))
+
+
+def test_diff_in_slices_is_the_whole_tensors_diff(gen, monkeypatch):
+    """diff sums in slices of the flattened tensors (a layer's FP32 weight gradient would be several 8 GB copies in
+    float64): a slice that does not divide the length gives the one-pass float64 value, 0 on equal tensors, NaN
+    when a NaN lies in a later slice."""
+    x = torch.randn(37, 11, generator=gen)
+    y = x + 1e-3 * torch.randn(37, 11, generator=gen)
+    x64, y64 = x.double(), y.double()
+    whole = float(1.0 - 2.0 * (x64 * y64).sum() / ((x64 * x64).sum() + (y64 * y64).sum()))
+    monkeypatch.setattr(T, "_DIFF_SLICE", 50)  # 407 elements: 9 slices, the last of 7
+    assert T.diff(x, y) == pytest.approx(whole, rel=1e-12) and T.diff(x, y) > 0
+    assert T.diff(x, x) == 0.0
+    y = x.clone()
+    y[-1, -1] = NAN
+    assert math.isnan(T.diff(x, y))
