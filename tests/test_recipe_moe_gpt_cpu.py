@@ -746,6 +746,24 @@ def test_experts_timer_marks_the_experts_forward_and_backward(recipe):
     measured = share()
     assert measured["experts_ms"] == 4.0 and measured["step_ms"] == 9.0  # 4 intervals of 1 tick, 8 events + 1
     assert measured["share"] == pytest.approx(4 / 9)
+    # the routing each layer's experts got (one expert holding all 5 tokens, in both layers)
+    assert measured["empty_experts_fraction"] == 0.0 and measured["largest_expert_share"] == 1.0
+
+
+def test_experts_timer_notes_the_routing_without_a_host_read(recipe):
+    """Empty experts cost our wgrad nothing and the BF16 experts a main_grad update each, so the timed steps record
+    the routing beside the experts' time: the fraction of (layer, micro-batch) experts that got no token, the largest
+    expert's share of its layer's tokens; kept as device tensors until the share is read after the step."""
+    timer = recipe.timing.ExpertsTimer([], event=_ClockEvent)
+    timer.start(True)
+    for counts in ([0, 0, 6, 2], [1, 1, 1, 1], [0, 0, 0, 0]):
+        timer.note_routing(torch.tensor(counts))
+    assert all(isinstance(v, torch.Tensor) for _, *values in timer.routing for v in values)
+    measured = timer.stop()()
+    assert measured["empty_experts_fraction"] == 6 / 12
+    assert measured["largest_expert_share"] == 6 / 8  # (an all-empty layer counts as share 0, not a division by 0)
+    timer.start(True)
+    assert timer.routing == [] and "empty_experts_fraction" not in timer.stop()()
 
 
 # --------------------------------------------------------------------------------------------------------------

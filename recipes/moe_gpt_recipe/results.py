@@ -53,6 +53,11 @@ def summarize(runs):
         if measured:
             row["experts_share_of_step"] = upper_median(measured)
             row["experts_ms_per_step"] = upper_median([m["experts_ms"] for m in run["experts_share"]])
+            empty = [m["empty_experts_fraction"] for m in run["experts_share"] if "empty_experts_fraction" in m]
+            if empty:  # the routing of those steps (ExpertsTimer.note_routing: empty experts cost modes differently)
+                row["empty_experts_fraction"] = upper_median(empty)
+                row["largest_expert_share"] = upper_median([m["largest_expert_share"] for m in run["experts_share"]
+                                                            if "largest_expert_share" in m])
         busy = run.get("gpu_busy")
         if busy and row["ms_per_step_median"]:  # over an unprofiled step (the profiler slows the host, not the GPU)
             row["gpu_busy_ms"] = busy["busy_ms"]

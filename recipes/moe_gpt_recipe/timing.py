@@ -47,7 +47,7 @@ class ExpertsTimer:
     measured steps."""
 
     def __init__(self, models, event=None):
-        self.active, self.events = False, []
+        self.active, self.events, self.routing = False, [], []
         self.event = event or functools.partial(torch.cuda.Event, enable_timing=True)
         for model in models:
             for module in model.modules():
@@ -59,9 +59,19 @@ class ExpertsTimer:
         def marked(hidden, tokens_per_expert, *args, **kwargs):
             if not self.active:
                 return forward(hidden, tokens_per_expert, *args, **kwargs)
+            self.note_routing(tokens_per_expert)
             out, bias = forward(_Mark.apply(hidden, self, "in"), tokens_per_expert, *args, **kwargs)
             return _Mark.apply(out, self, "out"), bias
         return marked
+
+    def note_routing(self, tokens_per_expert):
+        """Keep what this micro-batch's routing gave the layer's experts, on the counts' device (no host read inside
+        the step): how many of them got no token, and the largest count. An empty expert costs our K-grouped wgrad
+        nothing (it leaves that expert's main_grad untouched) and the BF16 experts a full main_grad update, so the
+        experts' times of two modes compare only alongside their routing."""
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.numel() > 0:
+            counts = tokens_per_expert.detach()
+            self.routing.append((counts.numel(), (counts == 0).sum(), counts.max(), counts.sum()))
 
     def record(self, phase, begin):
         event = self.event()
@@ -69,7 +79,7 @@ class ExpertsTimer:
         self.events.append((phase, begin, event))
 
     def start(self, active):
-        self.active, self.events = active, []
+        self.active, self.events, self.routing = active, [], []
         if active:
             self.step_start = self.event()
             self.step_start.record()
@@ -81,7 +91,7 @@ class ExpertsTimer:
         self.active = False
         end = self.event()
         end.record()
-        start, events = self.step_start, self.events
+        start, events, routing = self.step_start, self.events, self.routing
 
         def share():
             open_at, total = {}, 0.0
@@ -91,5 +101,10 @@ class ExpertsTimer:
                 elif phase in open_at:
                     total += open_at.pop(phase).elapsed_time(event)
             step = start.elapsed_time(end)
-            return {"experts_ms": total, "step_ms": step, "share": total / step if step > 0 else None}
+            measured = {"experts_ms": total, "step_ms": step, "share": total / step if step > 0 else None}
+            if routing:  # over every (MoE layer, micro-batch) of the step
+                experts = sum(n for n, _, _, _ in routing)
+                measured["empty_experts_fraction"] = sum(int(empty) for _, empty, _, _ in routing) / experts
+                measured["largest_expert_share"] = max(int(top) / max(int(tokens), 1) for _, _, top, tokens in routing)
+            return measured
         return share
