@@ -27,7 +27,9 @@ DEFAULT_MODES = {"local": MODES + ("megatron",), "transformer_engine": MODES}
 # The model presets are real models' MoE layers at one GPU (EP = 1), as many layers as fit an 80 GB H100 under each
 # mode with Megatron's mixed-precision Adam (the experts' parameters, FP32 gradients and optimizer state are ~18 bytes
 # a parameter: ~11 GB a layer for qwen3-30b, ~25 GB for dsv3-rank; measured peaks with TE's layers: 61-62 GiB at 5
-# layers, 69-70 GiB at 2, recipes/results/moe_gpt-te-*-20261206-*.json), one sequence a micro-batch and gradient
+# layers, 69-70 GiB at 2, recipes/results/moe_gpt-te-*-20261206-*.json; Megatron's local spec, whose attention keeps
+# [heads, 4096, 4096] scores a layer, fits qwen3-30b at 4 layers eager and 3 from the full-iteration CUDA graph:
+# recipes/results/moe_gpt-local-qwen3-30b-*-20261206-*.json), one sequence a micro-batch and gradient
 # accumulation over 4 micro-batches a step. The vocabulary stays the recipe's synthetic 4096: the data are drawn from
 # [vocab, vocab] tables, and with a handful of a model's layers its real head (152k / 129k entries) would be a share
 # of the step it is not in the whole model.
@@ -70,7 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS),
                    help="a model size: " + "; ".join(f"{name}: " + ", ".join(
                        f"--{k.replace('_', '-')} {v}" for k, v in size.items()) for name, size in PRESETS.items())
-                   + " (any size option overrides it)")
+                   + " (any size option overrides it). qwen3-30b and dsv3-rank are sized for an 80 GB GPU with "
+                   "--transformer-impl transformer_engine (fused attention); with the local spec's attention "
+                   "qwen3-30b fits --layers 4 (3 with --cuda-graph-impl full_iteration)")
     p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                    help="Megatron-LM's option: the layer spec around the experts. transformer_engine: Transformer "
                         "Engine's spec (attention, layer norms, dense and shared-expert MLPs are TE modules; "
