@@ -435,6 +435,8 @@ def geomean(xs):
 def summarize(rows):
     not_run = [f"{r['model']} G={r['G']} M={r['M']} {r['dist']}: {r['error']}" for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
+    if not rows:  # (no row ran: nothing is bit-exact or at or below a peak)
+        return {"rows_not_run": not_run, "all_bitexact": None}
     te = [r["speedup_vs_te_fp8_reported"] for r in rows if "speedup_vs_te_fp8_reported" in r]
     mem_rows = [r for r in rows if "ours_peak_mb" in r and "padded_path_peak_mb" in r]
     return {
@@ -517,6 +519,8 @@ def main():
             # recorded as not run, the grid goes on (the summary lists it; no ratio stands in for it)
             row = {"model": model, "G": G, "M": M, "dist": dist, "seed": 2000 + i,
                    "error": f"OutOfMemoryError: {str(e).splitlines()[0][:200]}"}
+        if "error" in row:
+            # (out of the except block: its exception's traceback held run_config's frame, the row's tensors)
             gc.collect()
             torch.cuda.empty_cache()
             rows.append(row)
@@ -603,6 +607,9 @@ def print_table(rows, summary):
             f"{'xpad':>6} {'xbf16':>6} {'te_fp8':>7} {'xte':>6} {'ours_MB':>8} {'pad_MB':>8} {'bf16_MB':>8} exact")
     print(head)
     for r in rows:
+        if "error" in r:  # a row that did not run (summary's rows_not_run)
+            print(f"{r['model']:>14} {r['G']:>3} {r['M']:>6} {r['dist']:>6} not run: {r['error']}")
+            continue
         print(f"{r['model']:>14} {r['G']:>3} {r['M']:>6} {r['dist']:>6} {r['pad_rows_pct']:5.1f} "
               f"{r.get('ours_ms', nan):8.3f} {r.get('padded_path_ms', nan):8.3f} {r.get('bf16_ms', nan):8.3f} "
               f"{r.get('speedup_vs_padded_path', nan):6.3f} {r.get('speedup_vs_bf16', nan):6.3f} "
@@ -615,7 +622,7 @@ def print_table(rows, summary):
     print("\nThe same steps replayed from CUDA graphs (ms), and the host time to enqueue an eager step (ms)")
     print(f"{'model':>14} {'G':>3} {'M':>6} {'dist':>6} {'ours':>8} {'padded':>8} {'bf16':>8} {'xpad':>6} {'xbf16':>6} "
           f"{'host_ours':>9} {'host_pad':>9} {'host_bf16':>9} exact")
-    for r in rows:
+    for r in (r for r in rows if "error" not in r):
         print(f"{r['model']:>14} {r['G']:>3} {r['M']:>6} {r['dist']:>6} {r.get('ours_graph_ms', nan):8.3f} "
               f"{r.get('padded_path_graph_ms', nan):8.3f} {r.get('bf16_graph_ms', nan):8.3f} "
               f"{r.get('graph_speedup_vs_padded_path', nan):6.3f} {r.get('graph_speedup_vs_bf16', nan):6.3f} "

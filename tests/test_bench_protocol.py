@@ -453,3 +453,20 @@ def test_layer_rows_that_did_not_fit_are_listed_not_averaged():
     assert s["all_bitexact"] is True and s["geomean_vs_bf16_m32768"] == 1.1 and s["max_layer_peak_vs_bf16"] == 0.9
     assert bml.summarize([ran])["rows_not_run"] == []
     assert bml.summarize([dict(ran, bitexact=False), failed])["all_bitexact"] is False
+    # no row ran: nothing is called bit-exact
+    assert bml.summarize([failed]) == {"rows_not_run": s["rows_not_run"], "all_bitexact": None}
+
+
+def test_the_layer_table_prints_a_row_that_did_not_run(capsys):
+    """The printed table (after the JSON and the plot) shows a row that ran out of memory as not run, with its
+    error, and every row that ran as before (it read every row's bits and padding, and stopped the script there)."""
+    import bench_mlp_layer as bml
+
+    ran = {"model": "qwen3_30b_a3b", "G": 32, "M": 32768, "dist": "paper", "pad_rows_pct": 1.0, "bitexact": True,
+           "ours_ms": 1.5, "graph_bitexact": True}
+    failed = {"model": "deepseek_v3", "G": 32, "M": 32768, "dist": "skewed", "seed": 2019,
+              "error": "OutOfMemoryError: CUDA out of memory."}
+    bml.print_table([ran, failed], bml.summarize([ran, failed]))
+    out = capsys.readouterr().out
+    assert "deepseek_v3  32  32768 skewed not run: OutOfMemoryError: CUDA out of memory." in out
+    assert out.count("qwen3_30b_a3b") == 2 and out.count("deepseek_v3") == 2  # the table, the graphed table; summary

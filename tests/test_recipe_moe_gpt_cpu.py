@@ -938,3 +938,34 @@ def test_the_cpu_job_trains_on_and_writes_its_result_when_stdout_closes(tmp_path
     assert "BrokenPipeError" not in err, err[-4000:]
     (path,) = glob.glob(str(out / "moe_gpt-*.json"))
     assert json.load(open(path))["failures"] == []
+
+
+def test_the_result_names_its_sources_commit(recipe, tmp_path, monkeypatch):
+    """The result JSON's commit: MEGATRON_TMA_COMMIT where set (a copy without .git), else git's HEAD, "-dirty" when
+    the kernels, the package or the recipe differ from it (a new file included), "unknown" outside a checkout."""
+    import subprocess
+
+    results = recipe.results
+    monkeypatch.setenv("MEGATRON_TMA_COMMIT", "abc1234")
+    assert results.source_commit() == "abc1234"
+    monkeypatch.delenv("MEGATRON_TMA_COMMIT")
+    root = tmp_path / "repo"
+    (root / "recipes" / "moe_gpt_recipe").mkdir(parents=True)
+    (root / "megatron_tma").mkdir()
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.check_call(git + ["init", "-q", str(root)])
+    (root / "megatron_tma" / "a.py").write_text("x = 1\n")
+    subprocess.check_call(git + ["-C", str(root), "add", "-A"])
+    subprocess.check_call(git + ["-C", str(root), "commit", "-qm", "c"])
+    sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True).strip()
+    # source_commit finds the checkout three folders above its own file
+    monkeypatch.setattr(results, "__file__", str(root / "recipes" / "moe_gpt_recipe" / "results.py"))
+    assert results.source_commit() == sha
+    (root / "megatron_tma" / "b.py").write_text("y = 2\n")  # untracked, not ignored
+    assert results.source_commit() == sha + "-dirty"
+    (root / "megatron_tma" / "b.py").unlink()
+    (root / "megatron_tma" / "a.py").write_text("x = 2\n")
+    assert results.source_commit() == sha + "-dirty"
+    monkeypatch.setattr(results, "__file__", str(tmp_path / "elsewhere" / "x" / "y" / "results.py"))
+    (tmp_path / "elsewhere").mkdir()
+    assert results.source_commit() == "unknown"

@@ -196,8 +196,14 @@ def source_commit() -> str:
                                       stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", "csrc", "megatron_tma", "recipes"], cwd=root,
+    sources = ["csrc", "megatron_tma", "recipes"]
+    dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", *sources], cwd=root,
                             stderr=subprocess.DEVNULL) != 0
+    try:  # a new file that git does not ignore counts too
+        dirty = dirty or bool(subprocess.check_output(["git", "ls-files", "--others", "--exclude-standard", "--",
+                                                       *sources], cwd=root, text=True, stderr=subprocess.DEVNULL))
+    except (OSError, subprocess.CalledProcessError):
+        pass
     return sha + ("-dirty" if dirty else "")
 
 
