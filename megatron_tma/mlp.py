@@ -45,9 +45,9 @@ after an optimizer step (megatron_tma.weight_refresh): a CUDA graph of the layer
 step without the weight pass, and a replay after a step re-quantizes, with no host check at replay. Run one eager
 forward before capturing (the buffers are made there).
 
-`release_bf16_weights=True` frees the BF16 weights' memory once the first training forward of a step has quantized
-them, and holds the FP8 copies until the optimizer writes new weights (megatron_tma.released_weights): 2 bytes per
-weight across the forward and backward instead of 4. It needs an optimizer with FP32 masters that rewrites them
+`release_bf16_weights=True` frees the BF16 weights' memory once the first training forward has quantized them and
+holds the FP8 copies, which each optimizer step then writes straight from its FP32 masters (megatron_tma.
+released_weights): 2 bytes per weight instead of 4, at the optimizer step too. It needs an optimizer with FP32 masters that rewrites them
 (Megatron's mixed-precision one, `released_weights.attach_optimizer`); eager only.
 
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
@@ -318,8 +318,8 @@ class GroupedFP8Linear(_GroupedWeights):
         self.keep_transposed_weight = keep_transposed_weight
         # StepRefreshedWeights: fixed buffers, refreshed by a kernel that skips unless an optimizer step came since
         self.step_refreshed_weights = step_refreshed_weights
-        # ReleasedBF16Weights: the BF16 weights' memory freed from the first training forward to the optimizer step,
-        # which writes them back (megatron_tma.released_weights)
+        # ReleasedBF16Weights: the BF16 weights' memory freed after the first training forward, the FP8 copies written
+        # from the optimizer's FP32 masters at each step (megatron_tma.released_weights)
         self.release_bf16_weights = release_bf16_weights
         self.weight_cache = self._new_cache()
         self.is_first_microbatch = True  # Megatron's flag: re-quantize the weights in the next forward

@@ -282,9 +282,10 @@ def _mixed_precision_optimizers(optimizer):
 
 
 def attach_optimizer(optimizer) -> int:
-    """Make Megatron's mixed-precision optimizer (or each one in a `ChainedOptimizer`) restore the released weights
-    of its model right before it copies its FP32 main params into them. Returns how many optimizers it attached to.
-    Refuses Megatron's distributed optimizer and anything without that copy."""
+    """Make Megatron's mixed-precision optimizer (or each one in a `ChainedOptimizer`) write the released layers'
+    FP8 copies from its FP32 main params where it would copy them into the BF16 weights (`write_weights_from_masters`;
+    its own copy runs on the other parameters), and refuse to reload its main params from released weights. Returns
+    how many optimizers it attached to. Refuses Megatron's distributed optimizer and anything without that copy."""
     count = 0
     if type(optimizer).__name__ == "LayerWiseDistributedOptimizer":  # (its all-gather copies into every rank's weights)
         raise TypeError("release_bf16_weights: Megatron's LayerWiseDistributedOptimizer copies other ranks' updated "

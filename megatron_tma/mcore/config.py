@@ -25,9 +25,9 @@ TRANSPOSE_FLAG = "moe_megatron_tma_transpose_weights_in_backward"
 # kernel refreshes on the device after each optimizer step (megatron_tma.mlp's step_refreshed_weights=True): what
 # lets a CUDA graph of the MoE layer replay micro-batches 2..N of a step without the weight pass.
 REFRESH_FLAG = "moe_megatron_tma_step_refreshed_weights"
-# A TransformerConfig attribute, bool (unset: False): the FP8 experts free their BF16 weights' memory from the first
-# training forward of a step to the optimizer's copy of its FP32 main params into them (megatron_tma.mlp's
-# release_bf16_weights=True; attach the optimizer with megatron_tma.released_weights.attach_optimizer).
+# A TransformerConfig attribute, bool (unset: False): the FP8 experts free their BF16 weights' memory after the first
+# training forward and hold FP8 copies only, which Megatron's optimizer writes from its FP32 main params at each step
+# (megatron_tma.mlp's release_bf16_weights=True; attach it with megatron_tma.released_weights.attach_optimizer).
 RELEASE_FLAG = "moe_megatron_tma_release_bf16_weights"
 
 

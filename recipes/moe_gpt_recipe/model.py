@@ -140,7 +140,7 @@ def build(args, mode):
         mc.OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, adam_beta2=0.95, clip_grad=1.0,
                            bf16=True, use_distributed_optimizer=args.distributed_optimizer),
         models)
-    if args.release_bf16_expert_weights:  # the optimizer gives released expert weights their memory back first
+    if args.release_bf16_expert_weights:  # its copy of the main params writes released experts' FP8 copies
         attach_optimizer(optimizer)
     return models, optimizer
 

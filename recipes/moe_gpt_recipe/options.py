@@ -173,10 +173,10 @@ def parse_args(argv=None):
                         "the GPU after each optimizer step (config.moe_megatron_tma_step_refreshed_weights: what lets "
                         "a CUDA graph replay later micro-batches without the weight pass; the same bits)")
     p.add_argument("--release-bf16-expert-weights", action="store_true",
-                   help="megatron_tma's FP8 modes free their BF16 expert weights' memory from each step's first "
-                        "forward to the optimizer's copy of the FP32 main params into them, holding the FP8 copies "
-                        "instead (config.moe_megatron_tma_release_bf16_weights, megatron_tma.released_weights: 2 bytes "
-                        "a weight across forward and backward instead of 4; the same bits). Plain optimizer only")
+                   help="megatron_tma's FP8 modes free their BF16 expert weights' memory after the first forward "
+                        "and hold FP8 copies only, which the optimizer writes from its FP32 main params at each step "
+                        "(config.moe_megatron_tma_release_bf16_weights, megatron_tma.released_weights: 2 bytes a "
+                        "weight instead of 4; the same bits). Plain optimizer only")
     p.add_argument("--device-token-counts", action="store_true",
                    help="megatron_tma's modes: Megatron's all-to-all dispatcher keeps the token counts on the GPU "
                         "(megatron_tma.mcore.keep_token_counts_on_device: no host sync and no identity chunk sort per "
