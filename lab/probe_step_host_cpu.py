@@ -4,7 +4,7 @@ what is timed is the package's Python (argument checks, weight cache, autograd F
 autograd engine, not kernel launches. It answers "how much host time does a step spend outside the ops" without
 device time; on the GPU, `lab/probe_step_host.py` and `lab/profile_mlp_layer.py` time the real thing.
 
-    python lab/probe_step_host_cpu.py [--G 32] [--layout stacked|per_expert] [--steps 50] [--profile]
+    python lab/probe_step_host_cpu.py [--G 32] [--layout stacked|per_expert] [--steps 50] [--profile] [--composed]
 
 Shapes are Qwen3-like (H=2048, F=768) with M=2048 tokens (the fakes do not touch the data, so sizes matter only
 through allocation). --profile prints cProfile's top entries by own time.
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import bench_mlp_layer as bml  # noqa: E402
 
-from megatron_tma import _ext, ops  # noqa: E402
+from megatron_tma import _ext, groups, ops  # noqa: E402
 from megatron_tma.mlp import GroupedFP8MLP  # noqa: E402
 
 
@@ -68,11 +68,31 @@ def _fake_ops():
     )
 
 
-def install_fake_ops():
-    """Route every op the package calls (`ops.kernel(name)`) to the CPU fakes (this process only)."""
+def _memoized(fake):
+    """The fake's outputs made once per argument shapes and handed back on every later call: a CPU allocation of
+    megabytes costs ~10 us here, where the GPU's caching allocator costs ~1, so allocating would time this machine's
+    malloc, not the package."""
+    made = {}
+
+    def call(*args):
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if key not in made:
+            made[key] = fake(*args)
+        return made[key]
+    return call
+
+
+def install_fake_ops(memoize: bool = True):
+    """Route every op the package calls (`ops.kernel(name)`) to the CPU fakes (this process only). memoize: each
+    fake's outputs are made once per shapes (`_memoized`), and the group values are not read on the host (the CPU
+    tensors' free check, which the CUDA path never runs): what is left is the host work of the CUDA path minus the
+    ops' C++ side."""
     for name, fake in vars(_fake_ops()).items():
-        ops._OPS[name] = fake
+        ops._OPS[name] = _memoized(fake) if memoize and name not in ("m_grouped_fp8_gemm_out",
+                                                                     "k_grouped_fp8_gemm_out") else fake
     _ext.cuda_kernels_available = lambda device=None: True
+    if memoize:
+        groups.check_groups_values = lambda *args, **kwargs: None
 
 
 def make_step(G, layout, M=2048, H=2048, F=768):
@@ -106,9 +126,14 @@ def main():
     ap.add_argument("--layout", choices=("stacked", "per_expert"), default="stacked")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--allocate", action="store_true", help="every fake allocates its outputs at every call, and the "
+                    "CPU group tensors' values are checked (the probe before memoized fakes)")
+    ap.add_argument("--composed", action="store_true", help="the composed Functions (GroupedFP8MLP.one_function = "
+                    "False) instead of the one-Function step")
     args = ap.parse_args()
-    install_fake_ops()
+    install_fake_ops(memoize=not args.allocate)
     step = make_step(args.G, args.layout)
+    step.module.one_function = not args.composed
     print(f"G={args.G} {args.layout}: {host_ms_per_step(step, args.steps):.3f} ms of host time per step "
           "(fake ops, best of 7)")
     if args.profile:

@@ -73,14 +73,16 @@ from typing import Callable, List, Optional, Union
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from . import _ext, ops
-from ._validate import check_bool, check_int, check_same_device, check_tensor
+from ._validate import check_bool, check_int, check_same_device, check_tensor, misalignment16
 from .activation import ACTIVATIONS, GATED, activation_times_probs
 from .activation_linear import fp8_activation_grouped_linear
-from .autograd import FP8WeightCache, flush_wgrad, fp8_grouped_linear, stack_weights, stacked_view
+from .autograd import FP8WeightCache, flush_wgrad, fp8_grouped_linear, quantized_weights, stack_weights, stacked_view
 from .groups import Groups, check_groups, padded_sizes, sizes_to_offsets
 from .limits import check_num_experts
+from .mlp_function import MlpPlan, fp8_expert_mlp
 from .padding import padded_row_count_upper_bound
 from .permutation import Permutation, check_permutation, combine_rows, gather_rows
 from .released_weights import ReleasedBF16Weights, materialize_bf16_weights, restore_bf16_weights
@@ -475,6 +477,14 @@ class _GroupedMLP(nn.Module):
                 f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}")
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling the module would run any hook (its own or the global ones): what nn.Module's call checks."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks or _module_hooks._global_forward_pre_hooks
+                or _module_hooks._global_forward_hooks or _module_hooks._global_backward_pre_hooks
+                or _module_hooks._global_backward_hooks)
+
+
 class GroupedFP8MLP(_GroupedMLP):
     """The expert MLP on the FP8 grouped linears, unpadded (`pad_to=None`) or as the padded twin (16 or 128)."""
 
@@ -503,8 +513,14 @@ class GroupedFP8MLP(_GroupedMLP):
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
         self.pad_to, self.recompute_activation = pad_to, recompute_activation
+        # True: the step runs as one autograd Function (megatron_tma.mlp_function: the same kernels and bits, the
+        # checks once); False runs the composed Functions of the two linears and the activation (A/B runs, tests)
+        self.one_function = True
 
     def _mlp(self, x, groups, probs, permutation=None):
+        plan = self._one_function_plan(x, groups, permutation)
+        if plan is not None:  # the same kernels in one autograd Function, checked once (megatron_tma.mlp_function)
+            return fp8_expert_mlp(x, probs, plan, self.linear_fc1.weights, self.linear_fc2.weights)
         h = self.linear_fc1(x, groups, permutation=permutation)  # the gather fused into its quantizer
         if not self.recompute_activation:
             # the combine fused into fc2 too: backward gathers the output gradient inside dY's quantizer
@@ -512,6 +528,32 @@ class GroupedFP8MLP(_GroupedMLP):
                                    combine=permutation)
         y = self.linear_fc2(h, groups, probs, self.activation)
         return y if permutation is None else combine_rows(y, permutation, backend=self.backend)
+
+    def _one_function_plan(self, x, groups, permutation) -> Optional[MlpPlan]:
+        """The step's plan for megatron_tma.mlp_function (one Function, the same bits), or None where the composed
+        path runs instead: with `one_function=False`, recompute_activation (its own Function), under torch.compile
+        (the composed Functions are what it traces), hooks on the linears (their module calls run them: Megatron's
+        parameter all-gather waits in a forward pre-hook), or weights the linears' own checks must word an error for
+        (not BF16, not on x's device)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if (not self.one_function or self.recompute_activation or torch.compiler.is_compiling()
+                or _has_hooks(fc1) or _has_hooks(fc2)):
+            return None
+        w1, w2 = fc1.weights, fc2.weights
+        device, backend, pow2 = x.device, self.backend, fc1.pow2_scales
+        if (w1[0].dtype != torch.bfloat16 or w2[0].dtype != torch.bfloat16 or w1[0].device != device
+                or w2[0].device != device or misalignment16(x) or fc1.backend != backend or fc2.backend != backend
+                or fc2.pow2_scales != pow2 or (backend == "cuda" and not _ext._kernels_on(device))):
+            return None
+        if type(groups) is not Groups:  # (the padded twin's padded sizes)
+            groups = check_groups(groups, self.num_experts, m_total=x.shape[0])
+        rows = token_rows = None
+        if permutation is not None:  # (checked with the inputs, against x)
+            rows, token_rows = permutation
+        return MlpPlan(groups, quantized_weights(w1, fc1._cache(), pow2, backend, fc1.keep_transposed_weight),
+                       quantized_weights(w2, fc2._cache(), fc2.pow2_scales, backend, fc2.keep_transposed_weight),
+                       self.activation, backend != "reference", backend, pow2, rows, token_rows, fc1.wgrad_deferral,
+                       fc2.wgrad_deferral, len(w1))
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pad_to={self.pad_to}"

@@ -1,0 +1,182 @@
+"""The expert MLP's one-Function step (megatron_tma.mlp_function) against the composed Functions it replaces
+(`GroupedFP8MLP.one_function = False`): the same bits for the output, the input, probs and weight gradients and
+`main_grad` accumulation, over the module's options; and which calls fall back to the composed path. On the CPU the
+ops' reference kernels run (the device's kernel, as on a GPU); tests/test_mlp_gpu.py runs the same comparison on the
+CUDA kernels. Each comparison is `torch.equal` (NaN-free inputs)."""
+import pytest
+import torch
+
+from megatron_tma import mlp_function
+from megatron_tma.groups import make_group_sizes
+from megatron_tma.mlp import GroupedFP8MLP
+from megatron_tma.permutation import permutation_from_routing_map
+
+G, H, F, T = 4, 256, 128, 300
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    one = GroupedFP8MLP(G, H, F, kw.pop("activation", "swiglu"), **kw)
+    composed = GroupedFP8MLP(G, H, F, one.activation, **kw)
+    composed.load_state_dict(one.state_dict())
+    composed.one_function = False
+    return one, composed
+
+
+def _inputs(dist="paper", t=T, probs_dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = make_group_sizes(t, G, dist, seed)
+    x = torch.randn(t, H, generator=gen).bfloat16()
+    probs = torch.rand(t, generator=gen).to(probs_dtype)
+    dy = torch.randn(t, H, generator=gen).bfloat16()
+    return x, sizes, probs, dy
+
+
+def _step(module, x, sizes, probs, dy, x_grad=True, probs_grad=True, permutation=None, main_grad=None):
+    """Forward + backward on fresh leaves: [out, x.grad, probs.grad, then each weight's .grad or main_grad]."""
+    x = x.clone().requires_grad_(x_grad)
+    probs = None if probs is None else probs.clone().requires_grad_(probs_grad)
+    for w in module.parameters():
+        w.grad = None
+        if main_grad is not None:
+            w.main_grad = torch.full(w.shape, 0.5, dtype=main_grad)
+    out, _ = module(x, sizes, probs, permutation)
+    out.backward(dy)
+    grads = [w.main_grad if main_grad is not None else w.grad for w in module.parameters()]
+    return [out.detach(), x.grad, None if probs is None else probs.grad] + grads
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert (u is None) == (v is None), f"result {i}: {u is None} vs {v is None}"
+        if u is not None:
+            assert u.dtype == v.dtype and torch.equal(u, v), f"result {i} differs"
+
+
+def _counting_applies(monkeypatch):
+    """Counts the one-Function step's calls, so a test knows which path ran."""
+    calls = []
+    real = mlp_function._FP8ExpertMLP.apply
+    monkeypatch.setattr(mlp_function._FP8ExpertMLP, "apply", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "squared_relu"])
+@pytest.mark.parametrize("dist", ["paper", "with_empty", "one_group"])
+def test_same_bits_as_the_composed_functions(activation, dist, monkeypatch):
+    calls = _counting_applies(monkeypatch)
+    one, composed = _pair(activation=activation)
+    inputs = _inputs(dist)
+    _assert_same(_step(one, *inputs), _step(composed, *inputs))
+    assert len(calls) == 1  # the one-Function step ran for `one` only
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert"])
+@pytest.mark.parametrize("main_grad", [torch.float32, torch.bfloat16])
+def test_main_grad_accumulation_is_the_same(layout, main_grad):
+    one, composed = _pair(weight_layout=layout)
+    inputs = _inputs()
+    _assert_same(_step(one, *inputs, main_grad=main_grad), _step(composed, *inputs, main_grad=main_grad))
+
+
+@pytest.mark.parametrize("x_grad,probs_grad,frozen", [(False, True, None), (True, False, None), (False, False, "fc1"),
+                                                      (True, True, "fc2"), (False, True, "both"), (True, True, "both")])
+def test_partial_gradients_are_the_same(x_grad, probs_grad, frozen):
+    one, composed = _pair()
+    for m in (one, composed):
+        for name in (("linear_fc1", "linear_fc2") if frozen == "both" else (f"linear_{frozen}",) if frozen else ()):
+            getattr(m, name).weight.requires_grad_(False)
+    inputs = _inputs()
+    _assert_same(_step(one, *inputs, x_grad=x_grad, probs_grad=probs_grad),
+                 _step(composed, *inputs, x_grad=x_grad, probs_grad=probs_grad))
+
+
+@pytest.mark.parametrize("probs", ["fp32", "bf16", "none"])
+def test_probs_forms_are_the_same(probs):
+    one, composed = _pair()
+    x, sizes, p, dy = _inputs(probs_dtype=torch.bfloat16 if probs == "bf16" else torch.float32)
+    p = None if probs == "none" else p
+    _assert_same(_step(one, x, sizes, p, dy), _step(composed, x, sizes, p, dy))
+
+
+@pytest.mark.parametrize("options", [{"keep_transposed_weight": False}, {"pow2_scales": True}, {"pad_to": 16},
+                                     {"pad_to": 128}])
+def test_module_options_are_the_same(options):
+    one, composed = _pair(**options)
+    inputs = _inputs()
+    _assert_same(_step(one, *inputs), _step(composed, *inputs))
+
+
+def test_permutation_in_experts_is_the_same():
+    tokens, topk = 120, 3
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.rand(tokens, G, generator=gen)
+    routing = torch.zeros(tokens, G, dtype=torch.bool).scatter_(1, scores.topk(topk, dim=1).indices, True)
+    permutation, sizes, probs = permutation_from_routing_map(routing, topk, torch.rand(tokens, G, generator=gen))
+    x = torch.randn(tokens, H, generator=gen).bfloat16()
+    dy = torch.randn(tokens, H, generator=gen).bfloat16()
+    one, composed = _pair()
+    _assert_same(_step(one, x, sizes, probs, dy, permutation=permutation),
+                 _step(composed, x, sizes, probs, dy, permutation=permutation))
+
+
+def test_deferred_weight_gradients_are_the_same():
+    one, composed = _pair(defer_wgrad=True)
+    x, sizes, probs, dy = _inputs()
+    results = []
+    for m in (one, composed):
+        for w in m.parameters():
+            w.main_grad = torch.zeros(w.shape)
+        outs = []
+        for micro_batch in range(3):  # three backwards pending, then one flush
+            xi = (x * (micro_batch + 1)).requires_grad_()
+            out, _ = m(xi, sizes, probs)
+            out.backward(dy)
+            outs += [out.detach(), xi.grad]
+        assert m.flush_wgrad() == 3
+        results.append(outs + [w.main_grad for w in m.parameters()])
+    _assert_same(*results)
+
+
+def test_inference_is_the_same_and_keeps_nothing(monkeypatch):
+    calls = _counting_applies(monkeypatch)
+    one, composed = _pair()
+    x, sizes, probs, _ = _inputs()
+    with torch.no_grad():
+        a, b = one(x, sizes, probs)[0], composed(x, sizes, probs)[0]
+    assert torch.equal(a, b) and not a.requires_grad
+    assert not calls  # no autograd Function under no_grad
+
+
+def test_hooks_recompute_and_one_function_off_take_the_composed_path(monkeypatch):
+    calls = _counting_applies(monkeypatch)
+    x, sizes, probs, dy = _inputs()
+    one, _ = _pair()
+    seen = []
+    handle = one.linear_fc2.register_forward_pre_hook(lambda module, args: seen.append(module))
+    _step(one, x, sizes, probs, dy)
+    assert seen == [one.linear_fc2] and not calls  # the hook ran: the linears were called as modules
+    handle.remove()
+    _step(one, x, sizes, probs, dy)
+    assert len(calls) == 1
+    recompute, _ = _pair(recompute_activation=True)
+    _step(recompute, x, sizes, probs, dy)
+    assert len(calls) == 1
+
+
+def test_a_weight_of_another_dtype_gets_the_composed_paths_error():
+    one, _ = _pair()
+    one.linear_fc1.weight.data = one.linear_fc1.weight.data.float()
+    x, sizes, probs, dy = _inputs()
+    with pytest.raises(TypeError, match="weight must have dtype bfloat16"):
+        _step(one, x, sizes, probs, dy)
+
+
+def test_twice_differentiating_is_refused():
+    one, _ = _pair()
+    x, sizes, probs, dy = _inputs()
+    x = x.requires_grad_()
+    out, _ = one(x, sizes, probs)
+    with pytest.raises(RuntimeError, match="not twice differentiable"):
+        torch.autograd.grad(out, x, dy, create_graph=True)
