@@ -4,6 +4,7 @@ builds whose effect is near the process-to-process spread (a few %).
 
     python lab/time_m_grouped_rows.py [--iters 25] [--block-m 0|128|192] [--block-n 0|128|192|256]
     python lab/time_m_grouped_rows.py --grid-rows 0,6,7 --padded-gemm [--repeat 3]
+    ncu ... python lab/time_m_grouped_rows.py --grid-rows 9 --padded-gemm --profile-calls 2
 
 --grid-rows times rows of the full grid instead (indices as bench_m_grouped numbers them, with their size
 distribution and seed); --padded-gemm also times the GEMM alone on the same rows padded to 128 per group, the
@@ -34,6 +35,9 @@ def main():
                     "five reference rows of docs/design.md §5, paper sizes)")
     ap.add_argument("--padded-gemm", action="store_true", help="also time the GEMM alone on 128-padded groups")
     ap.add_argument("--repeat", type=int, default=1, help="timings per method and row, alternating")
+    ap.add_argument("--profile-calls", type=int, default=0, help="no timing: call each method this many times per "
+                    "row (ours first), for ncu to profile the same data: `ncu --kernel-name regex:m_grouped "
+                    "--launch-count 4 ... --grid-rows 9 --padded-gemm --profile-calls 2`")
     args = ap.parse_args()
     if args.grid_rows:
         grid = [(c, d) for c in TABLE + MORE for d in DISTS]
@@ -49,6 +53,12 @@ def main():
         if args.padded_gemm:
             a_pad, a_s_pad, pad_off = pad_rows_fp8(aq, a_s, groups, 128, num_groups=G)
             fns["padded_gemm"] = lambda: m_grouped_fp8_gemm(a_pad, a_s_pad, wq, ws, pad_off)
+        if args.profile_calls:
+            for name, fn in fns.items():
+                for _ in range(args.profile_calls):
+                    fn()
+            torch.cuda.synchronize()
+            continue
         times = {name: [] for name in fns}
         for _ in range(args.repeat):
             for name, fn in fns.items():
@@ -56,7 +66,8 @@ def main():
         key = f"G{G}_M{M}_N{N}_K{K}" + (f"_{dist}" if args.grid_rows else "")
         tflops = {name: round(2.0 * M * N * K / statistics.median(t) / 1e9, 1) for name, t in times.items()}
         result[key] = tflops["ours"] if len(tflops) == 1 else tflops
-    print(json.dumps(result))
+    if not args.profile_calls:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
