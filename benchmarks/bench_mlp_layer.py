@@ -526,10 +526,11 @@ def main():
             # recorded as not run, the grid goes on (the summary lists it; no ratio stands in for it)
             row = {"model": model, "G": G, "M": M, "dist": dist, "seed": 2000 + i,
                    "error": f"OutOfMemoryError: {str(e).splitlines()[0][:200]}"}
+        # the row's modules and tensors freed before the next row allocates (out of the except block: its exception's
+        # traceback held run_config's frame, the row's tensors)
+        gc.collect()
+        torch.cuda.empty_cache()
         if "error" in row:
-            # (out of the except block: its exception's traceback held run_config's frame, the row's tensors)
-            gc.collect()
-            torch.cuda.empty_cache()
             rows.append(row)
             print(f"[{n + 1}/{len(todo)}] {model} G={G} M={M} {dist}: not run, {row['error']}", flush=True)
             continue

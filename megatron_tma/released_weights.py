@@ -31,6 +31,7 @@ Not yet Transformer Engine's FP8 primary weights in full: the distributed optimi
 sharded masters) is not supported, and the layer's first forward after building or loading holds the BF16 weights and
 their copies together while it quantizes.
 """
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -40,22 +41,30 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "materialize_bf16_weights",
            "restore_bf16_weights", "write_weights_from_masters"]
 
-# parameter -> the ReleasedBF16Weights that released it (by identity, weak: a dropped layer leaves no entry)
+# parameter -> a weak reference to the ReleasedBF16Weights that released it (by identity, weak both ways: the owner
+# holds its parameters strongly while they are released, so a strong value would keep its own key, the layer, its FP8
+# copies and the FP32 master it last wrote from alive for the life of the process; a dropped layer leaves no entry)
 _RELEASED = WeakIdKeyDictionary()
+
+
+def _owner(param: torch.Tensor) -> Optional["ReleasedBF16Weights"]:
+    """The ReleasedBF16Weights that released `param` (None: none, or its layer is gone)."""
+    ref = _RELEASED.get(param)
+    return None if ref is None else ref()
 # parameters of the Megatron optimizers attach_optimizer wrapped (weak, by identity): what their step writes back
 _ATTACHED = WeakIdKeyDictionary()
 
 
 def is_released(param: torch.Tensor) -> bool:
     """Whether `param`'s memory is released (its values live in its layer's FP8 copies only)."""
-    owner = _RELEASED.get(param)
+    owner = _owner(param)
     return owner is not None and owner.released
 
 
 def restore_bf16_weights(params: Iterable[torch.Tensor]) -> int:
     """Give the released ones of `params` their memory back (uninitialised: the caller writes every element next) and
     drop their layers' FP8 copies; returns how many layers that was."""
-    owners = {id(o): o for o in (_RELEASED.get(p) for p in params) if o is not None and o.released}
+    owners = {id(o): o for o in (_owner(p) for p in params) if o is not None and o.released}
     for owner in owners.values():
         owner.restore()
     return len(owners)
@@ -199,7 +208,7 @@ class ReleasedBF16Weights:
             raise RuntimeError("release_bf16_weights: Megatron's optimizer over these expert weights is not attached; "
                                "call megatron_tma.released_weights.attach_optimizer(optimizer) after building it")
         for w in weights:
-            _RELEASED[w] = self
+            _RELEASED[w] = weakref.ref(self)
         storage.resize_(0)
         self._params, self._nbytes, self._value = weights, nbytes, value
 
@@ -236,7 +245,7 @@ def write_weights_from_masters(params, masters) -> list:
     copies (every pair not written here)."""
     rest = []
     for param, master in zip(params, masters):
-        owner = _RELEASED.get(param)
+        owner = _owner(param)
         if owner is not None and owner.feeds_from(param, master):
             owner.write_from_master(master)
         else:
@@ -265,7 +274,7 @@ def _copy_main_params(opt, copy, *args, **kwargs):
 def materialize_bf16_weights(params) -> None:
     """Write released `params` back in BF16 from the masters their FP8 copies came from (checkpoints read them);
     a RuntimeError for released ones with none (their values live in FP8 only)."""
-    for owner in {id(o): o for o in (_RELEASED.get(p) for p in params) if o is not None}.values():
+    for owner in {id(o): o for o in (_owner(p) for p in params) if o is not None}.values():
         if not owner.materialize():
             raise RuntimeError("release_bf16_weights: the BF16 expert weights are released (held in FP8 from the "
                                "first training forward to the optimizer step) and no FP32 master wrote their copies; "
@@ -327,7 +336,7 @@ def attach_optimizer(optimizer) -> int:
 
 def released_bytes(module: torch.nn.Module) -> int:
     """How many bytes of `module`'s parameters are released now (0 when none)."""
-    return sum(o._nbytes for o in {id(o): o for o in (_RELEASED.get(p) for p in module.parameters())
+    return sum(o._nbytes for o in {id(o): o for o in (_owner(p) for p in module.parameters())
                                    if o is not None and o.released}.values())
 
 

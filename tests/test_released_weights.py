@@ -238,3 +238,26 @@ def test_what_can_go_wrong_leaves_the_layer_whole(gen, monkeypatch):
     assert rw.attach_optimizer(type("ChainedOptimizer", (), {"chained_optimizers": [stub, opt]})()) == 1
     with pytest.raises(TypeError, match="LayerWiseDistributedOptimizer copies other ranks"):
         rw.attach_optimizer(type("LayerWiseDistributedOptimizer", (), {"chained_optimizers": [opt]})())
+
+
+@pytest.mark.parametrize("place", PLACES, ids=lambda p: p[0])
+def test_a_dropped_released_layer_frees_everything(gen, place):
+    """A released layer that goes out of scope leaves nothing alive: its parameters, FP8 copies and the master its
+    copies were last written from (the registry of released parameters is weak both ways; a strong owner held its own
+    key alive, which ran a GPU grid of layers out of memory)."""
+    import gc
+    import weakref
+
+    mlp = _mlp(True, place)
+    x, probs, dy = (torch.randn(40, H, generator=gen).bfloat16(), torch.rand(40, generator=gen),
+                    torch.randn(40, H, generator=gen).bfloat16())
+    masters = [p.detach().float() for p in mlp.parameters()]  # (an optimizer's, made before the release)
+    _micro_batch(mlp, x, probs, dy)
+    assert rw.write_weights_from_masters(list(mlp.parameters()), masters) == []  # both written from their masters
+    assert all(rw.is_released(p) for p in mlp.parameters())
+    alive = [weakref.ref(t) for t in [mlp, *mlp.parameters(), *masters,
+                                      *(t for m in (mlp.linear_fc1, mlp.linear_fc2) for t in m.weight_cache._value
+                                        if t is not None)]]
+    del mlp, masters
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * len(alive)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Lab (one call, <= 8 files back): the one-pass layer grid with the FP8 weights written from the FP32 masters
+# (--release-bf16-weights, the optimizer's write in every twin's step: issues 52 and 54's layer rows; its first run,
+# at a49a88a, ran out of memory from its seventh row on: released layers were never freed, fixed since), the same
+# with cached weights (issue 54's <= x0.9 target), then the M-grouped grid's worst row against the padded GEMM
+# (lab/device_mgrouped_row.sh) in what time is left. Pass MEGATRON_TMA_COMMIT (the device's git does not know the tree).
+DEADLINE=${DEADLINE:-560}
+source lab/device_call.sh
+bench() {  # $1: a name, $2: its limit, then bench_mlp_layer's options
+  local name=$1 limit=$2; shift 2; [ "$(left)" -lt "$limit" ] && limit=$(( $(left) - 5 ))
+  [ "$limit" -lt 40 ] && { echo "no time for $name"; return; }
+  timeout "$limit" python3 benchmarks/bench_mlp_layer.py --no-graphs "$@" --out "/tmp/b$name" > "/tmp/b$name.log" 2>&1
+  stamp "bench $name rc=$?"; grep -E "^\[" "/tmp/b$name.log" | cut -c1-200
+  for f in /tmp/b$name/*.json /tmp/b$name/*.png; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
+  cp "/tmp/b$name.log" "$OUT/$name.log"
+}
+bench release 200 --release-bf16-weights
+bench cached 150 --release-bf16-weights --cached-weights
+[ "$(left)" -gt 100 ] && DEADLINE=$(( $(left) - 5 )) DEVICE_REBUILD=0 bash lab/device_mgrouped_row.sh
