@@ -180,3 +180,20 @@ def test_twice_differentiating_is_refused():
     out, _ = one(x, sizes, probs)
     with pytest.raises(RuntimeError, match="not twice differentiable"):
         torch.autograd.grad(out, x, dy, create_graph=True)
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_no_tokens_is_the_same(permute):
+    """T = 0: an empty output and empty gradients from both paths, the weights' gradients zero (or main_grad unchanged)."""
+    one, composed = _pair()
+    x = torch.empty(0, H, dtype=torch.bfloat16)
+    sizes = torch.zeros(G, dtype=torch.int64)
+    probs, dy = torch.empty(0), torch.empty(0, H, dtype=torch.bfloat16)
+    permutation = None
+    if permute:
+        permutation, sizes, probs = permutation_from_routing_map(torch.zeros(0, G, dtype=torch.bool), 2,
+                                                                 torch.empty(0, G))
+    _assert_same(_step(one, x, sizes, probs, dy, permutation=permutation),
+                 _step(composed, x, sizes, probs, dy, permutation=permutation))
+    _assert_same(_step(one, x, sizes, probs, dy, permutation=permutation, main_grad=torch.float32),
+                 _step(composed, x, sizes, probs, dy, permutation=permutation, main_grad=torch.float32))
