@@ -6,19 +6,11 @@
 # (lab/device_mgrouped_row.sh) in what time is left. Pass MEGATRON_TMA_COMMIT (the device's git does not know the tree).
 DEADLINE=${DEADLINE:-560}
 source lab/device_call.sh
-bench() {  # $1: a name, $2: its limit, then bench_mlp_layer's options
-  local name=$1 limit=$2; shift 2; [ "$(left)" -lt "$limit" ] && limit=$(( $(left) - 5 ))
-  [ "$limit" -lt 40 ] && { echo "no time for $name"; return; }
-  timeout "$limit" python3 benchmarks/bench_mlp_layer.py --no-graphs "$@" --out "/tmp/b$name" > "/tmp/b$name.log" 2>&1
-  stamp "bench $name rc=$?"; grep -E "^\[" "/tmp/b$name.log" | cut -c1-200
-  for f in /tmp/b$name/*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
-  cp "/tmp/b$name.log" "$OUT/$name.log"
-}
 # the one-Function step on the GPU: the expert MLP's and its neighbours' GPU tests (graphs, no host sync, empty
 # groups, refreshed and released weights, the permutation, Megatron's experts); TESTS=0 skips them
 [ "${TESTS:-1}" = 1 ] && { timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
   tests/test_weight_refresh_gpu.py tests/test_released_weights.py tests/test_permutation_gpu.py tests/test_mcore_gpu.py \
   tests/test_transposed_weight.py > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
-bench release 200 --release-bf16-weights
-bench cached 150 --release-bf16-weights --cached-weights
+bench_layer release 200 --release-bf16-weights
+bench_layer cached 150 --release-bf16-weights --cached-weights
 [ "$(left)" -gt 100 ] && DEADLINE=$(( $(left) - 5 )) DEVICE_REBUILD=0 bash lab/device_mgrouped_row.sh

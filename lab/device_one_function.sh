@@ -9,12 +9,5 @@ source lab/device_call.sh
 [ "${TESTS:-1}" = 1 ] && { timeout 130 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
   tests/test_wgrad_deferral.py -k "one_function or padded_twin_is_bit_exact or defer or main_grad" > "$OUT/tests.log" 2>&1
   stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
-bench() {  # $1: a name, $2: its limit, then bench_mlp_layer's options
-  local name=$1 limit=$2; shift 2; [ "$(left)" -lt "$limit" ] && limit=$(( $(left) - 5 ))
-  [ "$limit" -lt 40 ] && { echo "no time for $name"; return; }
-  timeout "$limit" python3 benchmarks/bench_mlp_layer.py --no-graphs "$@" --out "/tmp/b$name" > "/tmp/b$name.log" 2>&1
-  stamp "bench $name rc=$?"; grep -E "^\[" "/tmp/b$name.log" | cut -c1-220
-  for f in /tmp/b$name/*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
-}
-[ "${AB:-1}" = 1 ] && { bench one 110 --models qwen3_30b_a3b; bench composed 110 --models qwen3_30b_a3b --composed-step; }
-[ "${GRID:-1}" = 1 ] && { bench grid $(( $(left) - 10 )) --release-bf16-weights; cp /tmp/bgrid.log "$OUT/grid.log"; }
+[ "${AB:-1}" = 1 ] && { bench_layer one 110 --models qwen3_30b_a3b; bench_layer composed 110 --models qwen3_30b_a3b --composed-step; }
+[ "${GRID:-1}" = 1 ] && bench_layer grid $(( $(left) - 10 )) --release-bf16-weights
