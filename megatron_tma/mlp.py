@@ -31,8 +31,9 @@ checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Bo
 The step runs as one autograd Function (megatron_tma.mlp_function): the same kernels in the same order as the
 composed Functions of the two linears and the activation, with this module's one check of its inputs standing for
 theirs: the same bits, less host time per step (the eager step on fine-grained experts is host-bound). The composed
-path runs instead under torch.compile, with `recompute_activation`, when a hook is registered on a linear (calling the
-linears as modules runs it: Megatron's parameter all-gather waits in a forward pre-hook), or with `one_function = False`.
+path runs instead under torch.compile, with `recompute_activation`, when a hook is registered on a linear (calling
+the linears as modules runs it: Megatron's parameter all-gather waits in a forward pre-hook), or with
+`one_function = False`.
 
 `recompute_activation=True` (Megatron's `recompute_modules=["moe_act"]`) keeps h instead of the FP8 columns of
 `act(h) * probs` for backward and recomputes them there: F bytes less per routed token, the same bits

@@ -184,7 +184,7 @@ def test_twice_differentiating_is_refused():
 
 @pytest.mark.parametrize("permute", [False, True])
 def test_no_tokens_is_the_same(permute):
-    """T = 0: an empty output and empty gradients from both paths, the weights' gradients zero (or main_grad unchanged)."""
+    """T = 0: an empty output and empty gradients from both paths, the weights' gradients zero (main_grad unchanged)."""
     one, composed = _pair()
     x = torch.empty(0, H, dtype=torch.bfloat16)
     sizes = torch.zeros(G, dtype=torch.int64)
