@@ -301,14 +301,14 @@ def layer_inputs(model, G, M, dist, seed, dev=DEV):
 
 def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacked", graphs=True,
                keep_transposed_weight=True, micro_batches=1, defer_wgrad=False, release_bf16_weights=False,
-               optimizer_write=False, one_function=True):
+               optimizer_write=False, planned_step=True):
     dev = DEV
     H, F, sizes, x, probs, dy = layer_inputs(model, G, M, dist, seed, dev)
     fp8 = {"weight_layout": weight_layout, "device": dev, "keep_transposed_weight": keep_transposed_weight,
            "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights}
     ours = GroupedFP8MLP(G, H, F, "swiglu", **fp8)
     padded = GroupedFP8MLP(G, H, F, "swiglu", pad_to=128, **fp8)
-    ours.one_function = padded.one_function = one_function
+    ours.planned_step = padded.planned_step = planned_step
     bf16 = GroupedBF16MLP(G, H, F, "swiglu", weight_layout=weight_layout, device=dev)
     padded.load_state_dict(ours.state_dict())
     bf16.load_state_dict(ours.state_dict())
@@ -329,7 +329,7 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
            "pad_rows_pct": round(100.0 * (padded_rows - M) / M, 2), "max_group": int(sizes.max()),
            "empty_groups": int((sizes == 0).sum()), "weights_requantized_per_step": requantize,
            "weight_layout": weight_layout, "keep_transposed_weight": keep_transposed_weight,
-           "one_function": one_function,
+           "planned_step": planned_step,
            "micro_batches": micro_batches, "defer_wgrad": defer_wgrad, "release_bf16_weights": release_bf16_weights,
            "optimizer_write_in_step": optimizer_write}
 
@@ -491,9 +491,9 @@ def main():
                          "them FP8 copies straight from the FP32 masters instead; implies --optimizer-write unless "
                          "--cached-weights (then the FP8 copies are all the layer holds)")
     ap.add_argument("--composed-step", action="store_true",
-                    help="the FP8 modules run the composed autograd Functions of their linears and activation "
-                         "(one_function=False) instead of the one-Function step: the same bits, the host time of "
-                         "before (A/B runs)")
+                    help="the FP8 modules call their linears and activation through the public entries "
+                         "(planned_step=False) instead of the planned step: the same bits, the host time of before "
+                         "(A/B runs)")
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                     help="only these models' rows (each keeps its seed in the full grid)")
     ap.add_argument("--iters", type=int, default=25)
@@ -520,7 +520,7 @@ def main():
                              graphs=not args.no_graphs, keep_transposed_weight=not args.transpose_in_backward,
                              micro_batches=args.micro_batches, defer_wgrad=args.defer_wgrad,
                              release_bf16_weights=args.release_bf16_weights, optimizer_write=args.optimizer_write,
-                             one_function=not args.composed_step)
+                             planned_step=not args.composed_step)
         except torch.OutOfMemoryError as e:
             # a row whose three twins (and, with --optimizer-write, their FP32 masters) do not fit this GPU together:
             # recorded as not run, the grid goes on (the summary lists it; no ratio stands in for it)

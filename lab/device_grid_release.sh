@@ -6,7 +6,7 @@
 # (lab/device_mgrouped_row.sh) in what time is left. Pass MEGATRON_TMA_COMMIT (the device's git does not know the tree).
 DEADLINE=${DEADLINE:-560}
 source lab/device_call.sh
-# the one-Function step on the GPU: the expert MLP's and its neighbours' GPU tests (graphs, no host sync, empty
+# the planned step on the GPU: the expert MLP's and its neighbours' GPU tests (graphs, no host sync, empty
 # groups, refreshed and released weights, the permutation, Megatron's experts); TESTS=0 skips them
 [ "${TESTS:-1}" = 1 ] && { timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
   tests/test_weight_refresh_gpu.py tests/test_released_weights.py tests/test_permutation_gpu.py tests/test_mcore_gpu.py \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lab (one short call): the expert MLP's GPU tests on the one-Function step, then the release grid's Qwen3 and
+# Lab (one short call): the expert MLP's GPU tests on the planned step, then the release grid's Qwen3 and
 # DeepSeek-V3 rows (lab/device_grid_release.sh without its cached and M-grouped parts), for a call that must fit a
 # few minutes of device time.
 DEADLINE=${DEADLINE:-200}

@@ -128,12 +128,12 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--allocate", action="store_true", help="every fake allocates its outputs at every call, and the "
                     "CPU group tensors' values are checked (the probe before memoized fakes)")
-    ap.add_argument("--composed", action="store_true", help="the composed Functions (GroupedFP8MLP.one_function = "
-                    "False) instead of the one-Function step")
+    ap.add_argument("--composed", action="store_true", help="the public entries (GroupedFP8MLP.planned_step = "
+                    "False) instead of the planned step")
     args = ap.parse_args()
     install_fake_ops(memoize=not args.allocate)
     step = make_step(args.G, args.layout)
-    step.module.one_function = not args.composed
+    step.module.planned_step = not args.composed
     print(f"G={args.G} {args.layout}: {host_ms_per_step(step, args.steps):.3f} ms of host time per step "
           "(fake ops, best of 7)")
     if args.profile:

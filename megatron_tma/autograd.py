@@ -54,6 +54,7 @@ __all__ = [
     "quantized_weights",
     "linear_backward",
     "linear_forward",
+    "checked_linear",
 ]
 
 from ._ext import check_backend  # noqa: E402  (one check of the backend for every entry)
@@ -601,9 +602,16 @@ def fp8_grouped_linear(
         out_rows, out_token_rows = _permutation.check_permutation(combine, m, None, "combine", device=x.device)
     check_bool(keep_transposed_weight, "keep_transposed_weight")
     wq = quantized_weights(weights, cache, pow2_scales, backend, keep_transposed_weight)
+    return checked_linear(x, groups, wq, rows, token_rows, out_rows, out_token_rows, backend, pow2_scales,
+                          wgrad_deferral, weights)
+
+
+def checked_linear(x, groups: Groups, wq: QuantizedWeights, rows, token_rows, out_rows, out_token_rows, backend, pow2,
+                   deferral, weights) -> torch.Tensor:
+    """`fp8_grouped_linear` on arguments it (or a caller with the same rules, megatron_tma.mlp_function) checked:
+    the Function where a gradient is wanted, else the forward's kernels alone (inference: nothing to save)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-        # inference: nothing to save
-        y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2_scales)
-        return y if combine is None else _permutation.run_combine_rows(y, out_token_rows, backend)
+        y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2)
+        return y if out_token_rows is None else _permutation.run_combine_rows(y, out_token_rows, backend)
     return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, rows, token_rows, out_rows, out_token_rows,
-                                   backend, pow2_scales, wgrad_deferral, *weights)
+                                   backend, pow2, deferral, *weights)

@@ -28,12 +28,12 @@ Both layouts save and load the same state dict, Transformer Engine's keys `linea
 checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Both initialize expert by expert
 (`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
 
-The step runs as one autograd Function (megatron_tma.mlp_function): the same kernels in the same order as the
-composed Functions of the two linears and the activation, with this module's one check of its inputs standing for
-theirs: the same bits, less host time per step (the eager step on fine-grained experts is host-bound). The composed
-path runs instead under torch.compile, with `recompute_activation`, when a hook is registered on a linear (calling
-the linears as modules runs it: Megatron's parameter all-gather waits in a forward pre-hook), or with
-`one_function = False`.
+The step is planned once per call (megatron_tma.mlp_function): this module's one check of its inputs stands for the
+public entries' own (`fp8_grouped_linear` twice, `activation_times_probs`), and their three autograd Functions are
+applied directly: the same kernels, bits and memory lifetimes, less host time per step (the eager step on
+fine-grained experts is host-bound). The public entries run instead under torch.compile, with
+`recompute_activation`, when a hook is registered on a linear (calling the linears as modules runs it: Megatron's
+parameter all-gather waits in a forward pre-hook), or with `planned_step = False`.
 
 `recompute_activation=True` (Megatron's `recompute_modules=["moe_act"]`) keeps h instead of the FP8 columns of
 `act(h) * probs` for backward and recomputes them there: F bytes less per routed token, the same bits
@@ -520,13 +520,14 @@ class GroupedFP8MLP(_GroupedMLP):
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
         self.pad_to, self.recompute_activation = pad_to, recompute_activation
-        # True: the step runs as one autograd Function (megatron_tma.mlp_function: the same kernels and bits, the
-        # checks once); False runs the composed Functions of the two linears and the activation (A/B runs, tests)
-        self.one_function = True
+        # True: the step is planned once and applies the autograd Functions directly (megatron_tma.mlp_function: the
+        # same kernels, bits and memory, the checks once); False calls the linears and the activation through their
+        # public entries (A/B runs, tests)
+        self.planned_step = True
 
     def _mlp(self, x, groups, probs, permutation=None):
-        plan = self._one_function_plan(x, groups, permutation)
-        if plan is not None:  # the same kernels in one autograd Function, checked once (megatron_tma.mlp_function)
+        plan = self._step_plan(x, groups, permutation)
+        if plan is not None:  # the same Functions, checked once (megatron_tma.mlp_function)
             return fp8_expert_mlp(x, probs, plan, self.linear_fc1.weights, self.linear_fc2.weights)
         h = self.linear_fc1(x, groups, permutation=permutation)  # the gather fused into its quantizer
         if not self.recompute_activation:
@@ -536,14 +537,14 @@ class GroupedFP8MLP(_GroupedMLP):
         y = self.linear_fc2(h, groups, probs, self.activation)
         return y if permutation is None else combine_rows(y, permutation, backend=self.backend)
 
-    def _one_function_plan(self, x, groups, permutation) -> Optional[MlpPlan]:
-        """The step's plan for megatron_tma.mlp_function (one Function, the same bits), or None where the composed
-        path runs instead: with `one_function=False`, recompute_activation (its own Function), under torch.compile
+    def _step_plan(self, x, groups, permutation) -> Optional[MlpPlan]:
+        """The step's plan for megatron_tma.mlp_function (the same Functions and bits), or None where the public
+        entries run instead: with `planned_step=False`, recompute_activation (its own Function), under torch.compile
         (the composed Functions are what it traces), hooks on the linears (their module calls run them: Megatron's
         parameter all-gather waits in a forward pre-hook), or weights the linears' own checks must word an error for
         (not BF16, not on x's device)."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        if (not self.one_function or self.recompute_activation or torch.compiler.is_compiling()
+        if (not self.planned_step or self.recompute_activation or torch.compiler.is_compiling()
                 or _has_hooks(fc1) or _has_hooks(fc2)):
             return None
         w1, w2 = fc1.weights, fc2.weights
@@ -560,7 +561,7 @@ class GroupedFP8MLP(_GroupedMLP):
         return MlpPlan(groups, quantized_weights(w1, fc1._cache(), pow2, backend, fc1.keep_transposed_weight),
                        quantized_weights(w2, fc2._cache(), fc2.pow2_scales, backend, fc2.keep_transposed_weight),
                        self.activation, backend != "reference", backend, pow2, rows, token_rows, fc1.wgrad_deferral,
-                       fc2.wgrad_deferral, len(w1))
+                       fc2.wgrad_deferral)
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", pad_to={self.pad_to}"

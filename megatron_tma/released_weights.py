@@ -41,16 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "materialize_bf16_weights",
            "restore_bf16_weights", "write_weights_from_masters"]
 
-# parameter -> a weak reference to the ReleasedBF16Weights that released it (by identity, weak both ways: the owner
-# holds its parameters strongly while they are released, so a strong value would keep its own key, the layer, its FP8
-# copies and the FP32 master it last wrote from alive for the life of the process; a dropped layer leaves no entry)
+# parameter -> the ReleasedBF16Weights that released it (by identity, weak: an entry lives as long as its parameter, so
+# a parameter still held elsewhere -- an optimizer's groups -- stays known as released after its layer is dropped, and
+# the owner holds its parameters weakly in turn, so that the entry never keeps its own key alive)
 _RELEASED = WeakIdKeyDictionary()
 
 
 def _owner(param: torch.Tensor) -> Optional["ReleasedBF16Weights"]:
-    """The ReleasedBF16Weights that released `param` (None: none, or its layer is gone)."""
-    ref = _RELEASED.get(param)
-    return None if ref is None else ref()
+    """The ReleasedBF16Weights that released `param` (None: none)."""
+    return _RELEASED.get(param)
 # parameters of the Megatron optimizers attach_optimizer wrapped (weak, by identity): what their step writes back
 _ATTACHED = WeakIdKeyDictionary()
 
@@ -80,11 +79,19 @@ class ReleasedBF16Weights:
 
     def __init__(self, inner) -> None:
         self.inner = inner  # the FP8WeightCache that quantizes while the weights are there
-        self._params = ()  # the released parameters (strong while released: their storage must come back)
+        # the released parameters, weakly (module docstring of the registry above): their storage comes back on restore
+        # while they live; a parameter that is gone has nothing to give back
+        self._param_refs = ()
         self._nbytes = 0
         self._value = None  # the FP8 copies served while released
         self._settings = None  # (pow2, backend, keep_transposed) of the layer's forward: how to quantize its masters
         self._master = None  # the FP32 master the copies were last written from (write_from_master)
+
+    @property
+    def _params(self) -> tuple:
+        """The released parameters while all of them live, else ()."""
+        params = tuple(r() for r in self._param_refs)
+        return params if all(p is not None for p in params) else ()
 
     @property
     def released(self) -> bool:
@@ -208,16 +215,16 @@ class ReleasedBF16Weights:
             raise RuntimeError("release_bf16_weights: Megatron's optimizer over these expert weights is not attached; "
                                "call megatron_tma.released_weights.attach_optimizer(optimizer) after building it")
         for w in weights:
-            _RELEASED[w] = weakref.ref(self)
+            _RELEASED[w] = self
         storage.resize_(0)
-        self._params, self._nbytes, self._value = weights, nbytes, value
+        self._param_refs, self._nbytes, self._value = tuple(weakref.ref(w) for w in weights), nbytes, value
 
     def restore(self) -> None:
         """The BF16 memory back (uninitialised), the FP8 copies dropped: the next forward quantizes what is written."""
         if not self.released:
             return
         self._params[0].untyped_storage().resize_(self._nbytes)
-        self._params, self._value, self._master = (), None, None
+        self._param_refs, self._value, self._master = (), None, None
         self.inner.invalidate()
 
 

@@ -69,7 +69,7 @@ CASES = {
     "fp8_grouped_linear-permutation": (_linear_permutation, "fp8_grouped_linear"),
     "fp8_activation_grouped_linear": (_activation_linear, "fp8_activation_grouped_linear"),
     "activation_times_probs": (_activation, "activation_times_probs"),
-    "mlp": (_mlp, "GroupedFP8MLP"),  # the one-Function step (megatron_tma.mlp_function)
+    "mlp": (_mlp, "fp8_grouped_linear"),
     "mlp-recompute": (lambda g, d, b: _mlp(g, d, b, recompute_activation=True), "fp8_activation_grouped_linear"),
     "mlp-padded": (lambda g, d, b: _mlp(g, d, b, pad_to=16), "not twice differentiable"),
 }

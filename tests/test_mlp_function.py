@@ -1,12 +1,13 @@
-"""The expert MLP's one-Function step (megatron_tma.mlp_function) against the composed Functions it replaces
-(`GroupedFP8MLP.one_function = False`): the same bits for the output, the input, probs and weight gradients and
-`main_grad` accumulation, over the module's options; and which calls fall back to the composed path. On the CPU the
+"""The expert MLP's planned step (megatron_tma.mlp_function: the module's checks once, the three autograd Functions
+applied directly) against the composed public entries (`GroupedFP8MLP.planned_step = False`): the same bits for the
+output, the input, probs and weight gradients and `main_grad` accumulation, over the module's options; the same
+memory lifetimes (each node frees what it saved when its backward ends); and which calls take the composed path. On the CPU the
 ops' reference kernels run (the device's kernel, as on a GPU); tests/test_mlp_gpu.py runs the same comparison on the
 CUDA kernels. Each comparison is `torch.equal` (NaN-free inputs)."""
 import pytest
 import torch
 
-from megatron_tma import mlp_function
+from megatron_tma import mlp as mlp_module
 from megatron_tma.groups import make_group_sizes
 from megatron_tma.mlp import GroupedFP8MLP
 from megatron_tma.permutation import permutation_from_routing_map
@@ -19,7 +20,7 @@ def _pair(**kw):
     one = GroupedFP8MLP(G, H, F, kw.pop("activation", "swiglu"), **kw)
     composed = GroupedFP8MLP(G, H, F, one.activation, **kw)
     composed.load_state_dict(one.state_dict())
-    composed.one_function = False
+    composed.planned_step = False
     return one, composed
 
 
@@ -55,10 +56,10 @@ def _assert_same(a, b):
 
 
 def _counting_applies(monkeypatch):
-    """Counts the one-Function step's calls, so a test knows which path ran."""
+    """Counts the planned step's calls, so a test knows which path ran."""
     calls = []
-    real = mlp_function._FP8ExpertMLP.apply
-    monkeypatch.setattr(mlp_function._FP8ExpertMLP, "apply", lambda *a: calls.append(1) or real(*a))
+    real = mlp_module.fp8_expert_mlp
+    monkeypatch.setattr(mlp_module, "fp8_expert_mlp", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -69,7 +70,7 @@ def test_same_bits_as_the_composed_functions(activation, dist, monkeypatch):
     one, composed = _pair(activation=activation)
     inputs = _inputs(dist)
     _assert_same(_step(one, *inputs), _step(composed, *inputs))
-    assert len(calls) == 1  # the one-Function step ran for `one` only
+    assert len(calls) == 1  # the planned step ran for `one` only
 
 
 @pytest.mark.parametrize("layout", ["stacked", "per_expert"])
@@ -145,11 +146,10 @@ def test_inference_is_the_same_and_keeps_nothing(monkeypatch):
     x, sizes, probs, _ = _inputs()
     with torch.no_grad():
         a, b = one(x, sizes, probs)[0], composed(x, sizes, probs)[0]
-    assert torch.equal(a, b) and not a.requires_grad
-    assert not calls  # no autograd Function under no_grad
+    assert torch.equal(a, b) and not a.requires_grad and len(calls) == 1
 
 
-def test_hooks_recompute_and_one_function_off_take_the_composed_path(monkeypatch):
+def test_hooks_recompute_and_planned_step_off_take_the_composed_path(monkeypatch):
     calls = _counting_applies(monkeypatch)
     x, sizes, probs, dy = _inputs()
     one, _ = _pair()
@@ -171,6 +171,40 @@ def test_a_weight_of_another_dtype_gets_the_composed_paths_error():
     x, sizes, probs, dy = _inputs()
     with pytest.raises(TypeError, match="weight must have dtype bfloat16"):
         _step(one, x, sizes, probs, dy)
+
+
+def test_each_node_frees_what_it_saved_when_its_backward_ends():
+    """h and z's FP8 columns are freed once the activation's and fc2's backwards end, before fc1's backward runs, as
+    in the composed call: a single Function for the whole step would keep them (and dY) through fc1's backward."""
+    import weakref
+
+    from megatron_tma import autograd
+
+    one, _ = _pair()
+    x, sizes, probs, dy = _inputs()
+    x, probs = x.requires_grad_(), probs.requires_grad_()
+    seen, alive = [], {}
+    real_m, real_backward = autograd.gemm.run_m_grouped, autograd.linear_backward
+
+    def m_grouped(*args, **kw):  # forward: the first GEMM's output is h
+        out = real_m(*args, **kw)
+        seen.append(weakref.ref(out))
+        return out
+
+    def linear_backward(dy_, groups, xt, *args, **kw):
+        if "zt" not in alive:
+            alive["zt"] = weakref.ref(xt)  # fc2's backward: its saved columns are z's
+        else:  # fc1's backward: is anything of fc2's or the activation's still alive?
+            alive["at_fc1"] = (alive["zt"]() is not None, seen[0]() is not None)
+        return real_backward(dy_, groups, xt, *args, **kw)
+
+    import pytest as _pytest
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autograd.gemm, "run_m_grouped", m_grouped)
+        mp.setattr(autograd, "linear_backward", linear_backward)
+        out, _ = one(x, sizes, probs)
+        out.backward(dy)
+    assert alive["at_fc1"] == (False, False)
 
 
 def test_twice_differentiating_is_refused():

@@ -1,6 +1,6 @@
 """The FP8 expert MLP on the H200: the unpadded layer equals its padded twin bit for bit (output, dx, dprobs, every
 weight gradient, main_grad accumulation), and so does the layer that recomputes its activation in backward; its
-one-Function step gives the composed Functions' bits; it stays close to the BF16 layer, is captured whole (forward
+planned step gives the composed call's bits; it stays close to the BF16 layer, is captured whole (forward
 + backward) in a CUDA graph and replayed with new group sizes, and never synchronises with the host.
 Skipped without a Hopper GPU + extension."""
 import pytest
@@ -107,14 +107,14 @@ def test_recomputed_activation_gives_the_same_bits(g, h, f, t, dist, activation,
 
 @pytest.mark.parametrize("pad_to", [None, 128])
 @pytest.mark.parametrize("g,h,f,t,dist,activation", [CASES[i] for i in (0, 2, 3, 4, 6)])
-def test_one_function_step_gives_the_composed_functions_bits(g, h, f, t, dist, activation, pad_to):
-    """The step as one autograd Function (megatron_tma.mlp_function, the default) against the composed Functions of
-    the two linears and the activation (`one_function = False`), on the CUDA kernels: every output and gradient."""
+def test_planned_step_gives_the_composed_calls_bits(g, h, f, t, dist, activation, pad_to):
+    """The planned step (megatron_tma.mlp_function, the default) against the linears and the activation called through
+    their public entries (`planned_step = False`), on the CUDA kernels: every output and gradient."""
     torch.manual_seed(0)
     one = GroupedFP8MLP(g, h, f, activation, pad_to=pad_to, device=DEV)
     composed = GroupedFP8MLP(g, h, f, activation, pad_to=pad_to, device=DEV)
     composed.load_state_dict(one.state_dict())
-    composed.one_function = False
+    composed.planned_step = False
     _assert_same_bits(one, composed, _inputs(make_group_sizes(t, g, dist, seed=15), h, seed=16))
 
 

@@ -230,9 +230,14 @@ def test_what_can_go_wrong_leaves_the_layer_whole(gen, monkeypatch):
         released.load_state_dict(bad, assign=True)
     assert rw.is_released(released.linear_fc1.weight) and released.linear_fc1.weight_cache._value is held
     assert torch.equal(_micro_batch(released, x, None, dy)[0], out)
-    released.linear_fc2.weight = torch.nn.Parameter(torch.zeros(released.linear_fc2.weight.shape, dtype=torch.bfloat16))
+    # replaced while released and the old weight still held (an optimizer's groups would hold it): refused; once
+    # nothing holds it, nothing can write it either, and the layer quantizes the new weights
+    old = released.linear_fc2.weight
+    released.linear_fc2.weight = torch.nn.Parameter(torch.zeros(old.shape, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="replaced while released"):
         _micro_batch(released, x, None, dy)
+    del old
+    assert not _micro_batch(released, x, None, dy)[0].any()  # fc2's weights are zeros now
 
     stub = type("StubOptimizer", (), {"is_stub_optimizer": True})()
     assert rw.attach_optimizer(type("ChainedOptimizer", (), {"chained_optimizers": [stub, opt]})()) == 1
@@ -261,3 +266,19 @@ def test_a_dropped_released_layer_frees_everything(gen, place):
     del mlp, masters
     gc.collect()
     assert [r() is None for r in alive] == [True] * len(alive)
+
+
+def test_a_parameter_outliving_its_layer_stays_released(gen):
+    """A released parameter still held elsewhere (an optimizer's groups) after its layer is dropped is still known as
+    released: a torch optimizer stepping on it is refused instead of writing into its freed memory."""
+    import gc
+
+    mlp = _mlp(True)
+    _micro_batch(mlp, torch.randn(40, H, generator=gen).bfloat16(), torch.rand(40, generator=gen),
+                 torch.randn(40, H, generator=gen).bfloat16())
+    params = list(mlp.parameters())
+    del mlp
+    gc.collect()
+    assert all(rw.is_released(p) for p in params)
+    with pytest.raises(RuntimeError, match="BF16 memory is released"):
+        torch.optim.SGD(params, lr=0.1).step()
