@@ -7,7 +7,4 @@ source lab/device_call.sh
 timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
   tests/test_weight_refresh_gpu.py tests/test_released_weights.py tests/test_permutation_gpu.py \
   tests/test_transposed_weight.py > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"
-limit=$(( $(left) - 5 )); [ "$limit" -gt 30 ] && { timeout "$limit" python3 benchmarks/bench_mlp_layer.py --no-graphs \
-  --release-bf16-weights --models qwen3_30b_a3b deepseek_v3 --out /tmp/brel > /tmp/brel.log 2>&1; stamp "bench rc=$?"
-  grep -E "^\[" /tmp/brel.log | cut -c1-200; cp /tmp/brel.log "$OUT/release.log"
-  for f in /tmp/brel/*.json; do [ -f "$f" ] && cp "$f" "$OUT/release-$(basename "$f")"; done; }
+bench_layer release 200 --release-bf16-weights --models qwen3_30b_a3b deepseek_v3

@@ -54,8 +54,8 @@ forward before capturing (the buffers are made there).
 
 `release_bf16_weights=True` frees the BF16 weights' memory once the first training forward has quantized them and
 holds the FP8 copies, which each optimizer step then writes straight from its FP32 masters (megatron_tma.
-released_weights): 2 bytes per weight instead of 4, at the optimizer step too. It needs an optimizer with FP32 masters that rewrites them
-(Megatron's mixed-precision one, `released_weights.attach_optimizer`); eager only.
+released_weights): 2 bytes per weight instead of 4, at the optimizer step too. It needs an optimizer with FP32
+masters that rewrites them (Megatron's mixed-precision one, `released_weights.attach_optimizer`); eager only.
 
 `pad_to=128` or `16` gives the padded twin: every expert's rows are padded with zero rows to a multiple of
 `pad_to` (DeepGEMM's and Transformer Engine's alignments), the same FP8 Functions run on the padded layout, and the

@@ -45,25 +45,20 @@ __all__ = ["ReleasedBF16Weights", "attach_optimizer", "is_released", "materializ
 # a parameter still held elsewhere -- an optimizer's groups -- stays known as released after its layer is dropped, and
 # the owner holds its parameters weakly in turn, so that the entry never keeps its own key alive)
 _RELEASED = WeakIdKeyDictionary()
-
-
-def _owner(param: torch.Tensor) -> Optional["ReleasedBF16Weights"]:
-    """The ReleasedBF16Weights that released `param` (None: none)."""
-    return _RELEASED.get(param)
 # parameters of the Megatron optimizers attach_optimizer wrapped (weak, by identity): what their step writes back
 _ATTACHED = WeakIdKeyDictionary()
 
 
 def is_released(param: torch.Tensor) -> bool:
     """Whether `param`'s memory is released (its values live in its layer's FP8 copies only)."""
-    owner = _owner(param)
+    owner = _RELEASED.get(param)
     return owner is not None and owner.released
 
 
 def restore_bf16_weights(params: Iterable[torch.Tensor]) -> int:
     """Give the released ones of `params` their memory back (uninitialised: the caller writes every element next) and
     drop their layers' FP8 copies; returns how many layers that was."""
-    owners = {id(o): o for o in (_owner(p) for p in params) if o is not None and o.released}
+    owners = {id(o): o for o in (_RELEASED.get(p) for p in params) if o is not None and o.released}
     for owner in owners.values():
         owner.restore()
     return len(owners)
@@ -252,7 +247,7 @@ def write_weights_from_masters(params, masters) -> list:
     copies (every pair not written here)."""
     rest = []
     for param, master in zip(params, masters):
-        owner = _owner(param)
+        owner = _RELEASED.get(param)
         if owner is not None and owner.feeds_from(param, master):
             owner.write_from_master(master)
         else:
@@ -281,7 +276,7 @@ def _copy_main_params(opt, copy, *args, **kwargs):
 def materialize_bf16_weights(params) -> None:
     """Write released `params` back in BF16 from the masters their FP8 copies came from (checkpoints read them);
     a RuntimeError for released ones with none (their values live in FP8 only)."""
-    for owner in {id(o): o for o in (_owner(p) for p in params) if o is not None}.values():
+    for owner in {id(o): o for o in (_RELEASED.get(p) for p in params) if o is not None}.values():
         if not owner.materialize():
             raise RuntimeError("release_bf16_weights: the BF16 expert weights are released (held in FP8 from the "
                                "first training forward to the optimizer step) and no FP32 master wrote their copies; "
@@ -343,7 +338,7 @@ def attach_optimizer(optimizer) -> int:
 
 def released_bytes(module: torch.nn.Module) -> int:
     """How many bytes of `module`'s parameters are released now (0 when none)."""
-    return sum(o._nbytes for o in {id(o): o for o in (_owner(p) for p in module.parameters())
+    return sum(o._nbytes for o in {id(o): o for o in (_RELEASED.get(p) for p in module.parameters())
                                    if o is not None and o.released}.values())
 
 

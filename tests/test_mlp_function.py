@@ -55,7 +55,7 @@ def _assert_same(a, b):
             assert u.dtype == v.dtype and torch.equal(u, v), f"result {i} differs"
 
 
-def _counting_applies(monkeypatch):
+def _counting_planned_calls(monkeypatch):
     """Counts the planned step's calls, so a test knows which path ran."""
     calls = []
     real = mlp_module.fp8_expert_mlp
@@ -66,7 +66,7 @@ def _counting_applies(monkeypatch):
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "squared_relu"])
 @pytest.mark.parametrize("dist", ["paper", "with_empty", "one_group"])
 def test_same_bits_as_the_composed_functions(activation, dist, monkeypatch):
-    calls = _counting_applies(monkeypatch)
+    calls = _counting_planned_calls(monkeypatch)
     one, composed = _pair(activation=activation)
     inputs = _inputs(dist)
     _assert_same(_step(one, *inputs), _step(composed, *inputs))
@@ -141,7 +141,7 @@ def test_deferred_weight_gradients_are_the_same():
 
 
 def test_inference_is_the_same_and_keeps_nothing(monkeypatch):
-    calls = _counting_applies(monkeypatch)
+    calls = _counting_planned_calls(monkeypatch)
     one, composed = _pair()
     x, sizes, probs, _ = _inputs()
     with torch.no_grad():
@@ -150,7 +150,7 @@ def test_inference_is_the_same_and_keeps_nothing(monkeypatch):
 
 
 def test_hooks_recompute_and_planned_step_off_take_the_composed_path(monkeypatch):
-    calls = _counting_applies(monkeypatch)
+    calls = _counting_planned_calls(monkeypatch)
     x, sizes, probs, dy = _inputs()
     one, _ = _pair()
     seen = []
@@ -173,7 +173,7 @@ def test_a_weight_of_another_dtype_gets_the_composed_paths_error():
         _step(one, x, sizes, probs, dy)
 
 
-def test_each_node_frees_what_it_saved_when_its_backward_ends():
+def test_each_node_frees_what_it_saved_when_its_backward_ends(monkeypatch):
     """h and z's FP8 columns are freed once the activation's and fc2's backwards end, before fc1's backward runs, as
     in the composed call: a single Function for the whole step would keep them (and dY) through fc1's backward."""
     import weakref
@@ -198,12 +198,10 @@ def test_each_node_frees_what_it_saved_when_its_backward_ends():
             alive["at_fc1"] = (alive["zt"]() is not None, seen[0]() is not None)
         return real_backward(dy_, groups, xt, *args, **kw)
 
-    import pytest as _pytest
-    with _pytest.MonkeyPatch.context() as mp:
-        mp.setattr(autograd.gemm, "run_m_grouped", m_grouped)
-        mp.setattr(autograd, "linear_backward", linear_backward)
-        out, _ = one(x, sizes, probs)
-        out.backward(dy)
+    monkeypatch.setattr(autograd.gemm, "run_m_grouped", m_grouped)
+    monkeypatch.setattr(autograd, "linear_backward", linear_backward)
+    out, _ = one(x, sizes, probs)
+    out.backward(dy)
     assert alive["at_fc1"] == (False, False)
 
 
