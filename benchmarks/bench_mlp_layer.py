@@ -22,7 +22,9 @@ copies for the BF16 twin and the FP8 modules, re-quantized after); `--release-bf
 modules `release_bf16_weights=True`, whose write makes their FP8 copies straight from the masters
 (megatron_tma.released_weights). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
 what was allocated before it (weights and inputs exist, gradients and FP8 weight copies do not): the memory the step
-itself needs. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
+itself needs; `<method>_layer_peak_mb` is every byte of the layer at its peak: the step's peak with x and dY handed
+over as in a model (only the layer keeps x: the BF16 GEMMs save it, ours keeps its FP8 columns) plus the parameters
+and FP8 copies the layer holds between steps. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
 behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as
 `te_fp8_ms_reported` / `te_bf16_ms_reported`, on an H200 only (the GPU they come from): they were not measured by
 this script.
@@ -96,8 +98,39 @@ def te_rows():
     return [(model, G, M, 2000 + grid.index((model, G, M, "paper"))) for model, G, M in TE_REPORTED]
 
 
+class _HandedInput(torch.autograd.Function):
+    """x as a model hands it to its experts: a fresh tensor made by the op before (the token dispatch), which no one
+    but the layer keeps after the layer's forward; its gradient flows on to the leaf."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx
+
+
+class _ConsumedOutput(torch.autograd.Function):
+    """The op after the layer (the token combine) as far as memory goes: it reads y and keeps nothing of it, and its
+    backward hands the layer a fresh dY (a copy of `dy`) that only autograd holds, freed once the layer's last node
+    that reads it is done."""
+
+    @staticmethod
+    def forward(ctx, y, dy):
+        ctx.dy = dy
+        return y.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.dy.clone(), None
+
+
 class Step:
-    """One training step of one module on fixed inputs; the gradients it makes replace the previous ones."""
+    """One training step of one module on fixed inputs; the gradients it makes replace the previous ones.
+    `handed=True` (`peak_mb`'s layer peak only, never timed): x, y and dY live as in a model (`_HandedInput`,
+    `_ConsumedOutput`), so that a layer pays for the inputs it keeps (the BF16 GEMMs' autograd saves x; the FP8
+    layer keeps x's FP8 columns), not for the caller's."""
 
     def __init__(self, module, x, sizes, probs, dy, requantize, optimizer_write=False):
         self.module, self.x, self.sizes, self.probs, self.dy = module, x, sizes, probs, dy
@@ -118,8 +151,12 @@ class Step:
         if self.requantize:  # (a no-op for copies just written from the masters)
             self.module.invalidate_weight_cache()
 
-    def __call__(self):
+    def __call__(self, handed=False):
         self.reset()
+        if handed:
+            out, _ = self.module(_HandedInput.apply(self.x), self.sizes, self.probs)
+            _ConsumedOutput.apply(out, self.dy).backward()
+            return None
         out, _ = self.module(self.x, self.sizes, self.probs)
         out.backward(self.dy)
         return out
@@ -141,18 +178,23 @@ class Step:
             held += sum(t.numel() * t.element_size() for t in (value or ()) if t is not None)
         return held
 
-    def peak_mb(self):
-        """(the step's own peak: max_memory_allocated over one step minus what was allocated before it; the layer's
-        peak: that plus what the layer holds before the step, so that no form of the weights drops out), MB."""
+    def _step_peak(self, handed):
         self.reset()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        self()
+        self(handed=handed)
         torch.cuda.synchronize()
         step = torch.cuda.max_memory_allocated() - base
         self.reset()
-        return step / 2**20, (step + self.resident_bytes()) / 2**20
+        return step
+
+    def peak_mb(self):
+        """(the step's own peak: max_memory_allocated over one step minus what was allocated before it, the inputs
+        held by the caller; the layer's peak: the step's peak with the inputs handed over as in a model (`handed`)
+        plus what the layer holds before the step, so that no form of the weights and no kept input drops out), MB."""
+        resident = self.resident_bytes()
+        return self._step_peak(False) / 2**20, (self._step_peak(True) + resident) / 2**20
 
 
 class AccumulatingStep(Step):
@@ -175,11 +217,17 @@ class AccumulatingStep(Step):
         for w in self.params:
             w.main_grad.zero_()
 
-    def __call__(self):
+    def __call__(self, handed=False):
         self.reset()
+        out = None
         for _ in range(self.micro_batches):
-            out, _ = self.module(self.x, self.sizes, self.probs)
-            out.backward(self.dy)
+            if handed:  # (as Step's)
+                y, _ = self.module(_HandedInput.apply(self.x), self.sizes, self.probs)
+                _ConsumedOutput.apply(y, self.dy).backward()
+                del y
+            else:
+                out, _ = self.module(self.x, self.sizes, self.probs)
+                out.backward(self.dy)
             for w in self.params:
                 if w.grad is not None:  # the BF16 module's; the FP8 ones' went into main_grad
                     w.main_grad.add_(w.grad)
@@ -559,9 +607,12 @@ def main():
         "weight_layout": args.weight_layout,
         "peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it "
                               "(weights and inputs allocated; gradients and FP8 weight copies not)",
-        "layer_peak_mb_definition": "peak_mb plus what the layer holds before the step: its parameters and the FP8 "
-                                    "weight copies its caches keep (none when re-quantized; W and W^T when cached, "
-                                    "W only with --transpose-in-backward): every byte of the layer at its peak",
+        "layer_peak_mb_definition": "the step's peak with its inputs handed over as in a model (x made by the op "
+                                    "before and kept only by the layer, y read by the op after and dropped, dY made "
+                                    "by autograd: the BF16 GEMMs' saved x counts, the caller's copies do not) plus "
+                                    "what the layer holds before the step: its parameters and the FP8 weight copies "
+                                    "its caches keep (none when re-quantized; W and W^T when cached, W only with "
+                                    "--transpose-in-backward): every byte of the layer at its peak",
         "te_reported_source": "issue 5: Transformer Engine 2.20 GroupedLinear, blockwise FP8 recipe behind "
                               "Fp8Padding, fc1 -> SwiGLU*probs -> fc2, fwd+bwd, paper sizes, H200; quoted, "
                               "not measured by this script",

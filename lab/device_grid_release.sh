@@ -11,6 +11,10 @@ source lab/device_call.sh
 [ "${TESTS:-1}" = 1 ] && { timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
   tests/test_weight_refresh_gpu.py tests/test_released_weights.py tests/test_permutation_gpu.py tests/test_mcore_gpu.py \
   tests/test_transposed_weight.py > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
+# what is alive at each twin's peak (lab/probe_layer_memory.py), inputs handed over as in a model
+for row in "qwen3_30b_a3b --G 32 --M 32768" "deepseek_v3 --G 8 --M 8192"; do
+  timeout 60 python3 lab/probe_layer_memory.py --model $row --release-bf16-weights --handed-inputs >> "$OUT/mem.log" 2>&1
+done; stamp "memory probe"; grep -E "step peak" "$OUT/mem.log"
 bench_layer release 200 --release-bf16-weights
 bench_layer cached 150 --release-bf16-weights --cached-weights
 [ "$(left)" -gt 100 ] && DEADLINE=$(( $(left) - 5 )) DEVICE_REBUILD=0 bash lab/device_mgrouped_row.sh

@@ -440,19 +440,23 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
         dyq, dy_s = quant.run_1x128(dy, pow2, backend)
     elif need_dw:
         dyt, dyt_s = quant.run_grouped_128x1(dy, groups, pow2, backend)
-    if need_dx:
-        dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
-        del dyq, dy_s
+    # The weight gradient first: dY's columns are freed before dX is allocated (the backward's peak holds one of
+    # them, not both; the two GEMMs are independent, so the bits are the same in either order).
     wgrads = [None] * len(weights)
     if need_dw and deferral is not None:
         deferral.add(PendingWgrad(dyt, dyt_s, xt, xt_s, groups), tuple(needs_dw))
         if deferral.due():  # the step's last backward (Megatron's last micro-batch): every pending one, now
             item, _ = deferral.take()
             wgrads = _weight_grads(weights, needs_dw, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
+            del item
         elif getattr(weights[0], "main_grad", None) is not None:
             wgrads = _main_grad_placeholders(weights, needs_dw)  # DDP's hooks see a gradient per micro-batch
     elif need_dw:
         wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
+    if need_dx:
+        if need_dw:
+            del dyt, dyt_s  # (a deferral that waits keeps its own reference)
+        dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
     return dx, wgrads
 
 

@@ -387,6 +387,41 @@ def test_no_wgrad_operands_without_weight_grads(gen, monkeypatch):
     assert calls == ["run_1x128_and_grouped_128x1", "run_1x128_and_grouped_128x1"]
 
 
+def test_backward_frees_dy_columns_before_dgrad_allocates(gen, monkeypatch):
+    """Backward runs the weight gradient first and drops dY's token columns before the dgrad GEMM allocates dX: the
+    backward's peak holds one of them, not both (same bits in either order: the GEMMs are independent)."""
+    import weakref
+
+    from megatron_tma import autograd, gemm
+
+    columns, order = [], []
+    real_quant, real_m, real_k = quant.run_1x128_and_grouped_128x1, gemm.run_m_grouped, gemm.run_k_grouped
+
+    def both(*a, **k):
+        out = real_quant(*a, **k)
+        columns.append(weakref.ref(out[2]))
+        return out
+
+    def m_grouped(*a, **k):
+        if len(columns) == 2:  # backward's dgrad: dY's columns (the second quantizer call's) must be gone
+            order.append(("dgrad", columns[1]() is None))
+        return real_m(*a, **k)
+
+    monkeypatch.setattr(quant, "run_1x128_and_grouped_128x1", both)
+    monkeypatch.setattr(autograd.gemm, "run_m_grouped", m_grouped)
+    monkeypatch.setattr(autograd.gemm, "run_k_grouped", lambda *a, **k: order.append(("wgrad",)) or real_k(*a, **k))
+    x, w, sizes, dy = _linear_case(gen)
+
+    def grads():
+        weight = w.clone().requires_grad_()
+        return _linear_grads(x, weight, sizes, dy) + (weight.grad,)
+
+    patched = grads()
+    assert order == [("wgrad",), ("dgrad", True)]
+    monkeypatch.undo()
+    assert all(torch.equal(a, b) for a, b in zip(patched, grads()))  # (the patches only watch)
+
+
 def test_an_output_gradient_at_any_offset_is_taken(gen, quantizer_preconditions):
     """The quantizers read 16-byte vectors; a dY view that starts off that boundary is copied, not refused (before
     the Function ran its quantizers on the operands it made, the public quantizer's rule refused it). The fixture
