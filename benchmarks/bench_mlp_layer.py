@@ -20,11 +20,10 @@ micro-batches, which reuse the copies). `--optimizer-write` starts every method'
 optimizer's write of its weights from FP32 masters (the weight refresh timed wherever it runs, in every twin: BF16
 copies for the BF16 twin and the FP8 modules, re-quantized after); `--release-bf16-weights` (implies it) gives the FP8
 modules `release_bf16_weights=True`, whose write makes their FP8 copies straight from the masters
-(megatron_tma.released_weights). `<method>_peak_mb` is torch.cuda.max_memory_allocated over one step minus
-what was allocated before it (weights and inputs exist, gradients and FP8 weight copies do not): the memory the step
-itself needs; `<method>_layer_peak_mb` is every byte of the layer at its peak: the step's peak with x and dY handed
-over as in a model (only the layer keeps x: the BF16 GEMMs save it, ours keeps its FP8 columns) plus the parameters
-and FP8 copies the layer holds between steps. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
+(megatron_tma.released_weights). `<method>_peak_mb` is every byte of the layer at its peak: the parameters and FP8
+copies it holds between steps plus the step's peak (torch.cuda.max_memory_allocated over one step minus what was
+allocated before it) with x and dY handed over as in a model, so that only the layer keeps x (the BF16 GEMMs save it,
+ours keeps its FP8 columns); `<method>_step_peak_mb` is the step's own peak with the caller holding x, y and dY. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
 behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as
 `te_fp8_ms_reported` / `te_bf16_ms_reported`, on an H200 only (the GPU they come from): they were not measured by
 this script.
@@ -190,11 +189,11 @@ class Step:
         return step
 
     def peak_mb(self):
-        """(the step's own peak: max_memory_allocated over one step minus what was allocated before it, the inputs
-        held by the caller; the layer's peak: the step's peak with the inputs handed over as in a model (`handed`)
-        plus what the layer holds before the step, so that no form of the weights and no kept input drops out), MB."""
+        """(the layer's peak: the step's peak with the inputs handed over as in a model (`handed`) plus what the layer
+        holds before the step, so that no form of the weights and no kept input drops out; the step's own peak:
+        max_memory_allocated over one step minus what was allocated before it, the inputs held by the caller), MB."""
         resident = self.resident_bytes()
-        return self._step_peak(False) / 2**20, (self._step_peak(True) + resident) / 2**20
+        return (self._step_peak(True) + resident) / 2**20, self._step_peak(False) / 2**20
 
 
 class AccumulatingStep(Step):
@@ -388,8 +387,8 @@ def run_config(model, G, M, dist, seed, iters, requantize, weight_layout="stacke
             continue
         row[f"{name}_ms"] = round(times[name], 4)
         row[f"{name}_tflops"] = round(flops / times[name] / 1e9, 1)
-        step_mb, layer_mb = steps[name].peak_mb()
-        row[f"{name}_peak_mb"], row[f"{name}_layer_peak_mb"] = round(step_mb, 1), round(layer_mb, 1)
+        layer_mb, step_mb = steps[name].peak_mb()
+        row[f"{name}_peak_mb"], row[f"{name}_step_peak_mb"] = round(layer_mb, 1), round(step_mb, 1)
 
     for name in METHODS:
         if f"{name}_ms" in row:
@@ -498,9 +497,10 @@ def summarize(rows):
         "peak_mb_below_padded_where_padding_adds_rows": all(
             r["ours_peak_mb"] < r["padded_path_peak_mb"] for r in mem_rows if r["pad_rows_pct"] > 0),
         "all_bitexact": all(r["bitexact"] for r in rows),
-        # everything the layer holds across a step (parameters, FP8 copies, gradients, the step's memory): ours / BF16
-        "max_layer_peak_vs_bf16": max((r["ours_layer_peak_mb"] / r["bf16_layer_peak_mb"] for r in rows
-                                       if "ours_layer_peak_mb" in r and "bf16_layer_peak_mb" in r), default=None),
+        # everything the layer holds across a step (parameters, FP8 copies, gradients, kept inputs, the step's
+        # memory): ours / BF16
+        "max_peak_vs_bf16": max((r["ours_peak_mb"] / r["bf16_peak_mb"] for r in rows
+                                 if "ours_peak_mb" in r and "bf16_peak_mb" in r), default=None),
         # CUDA-graphed steps (no host time): ours vs the BF16 layer, graphed too, at M = 32768
         "graph_geomean_vs_bf16_m32768": geomean([r.get("graph_speedup_vs_bf16") for r in rows if r["M"] == 32768]),
         "graph_all_bitexact": all(r.get("graph_bitexact", True) for r in rows),
@@ -605,14 +605,16 @@ def main():
     path = common.write_result(name, rows, ceilings, command=command, out_dir=args.out, extra={
         "summary": summary,
         "weight_layout": args.weight_layout,
-        "peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it "
-                              "(weights and inputs allocated; gradients and FP8 weight copies not)",
-        "layer_peak_mb_definition": "the step's peak with its inputs handed over as in a model (x made by the op "
-                                    "before and kept only by the layer, y read by the op after and dropped, dY made "
-                                    "by autograd: the BF16 GEMMs' saved x counts, the caller's copies do not) plus "
-                                    "what the layer holds before the step: its parameters and the FP8 weight copies "
-                                    "its caches keep (none when re-quantized; W and W^T when cached, W only with "
-                                    "--transpose-in-backward): every byte of the layer at its peak",
+        "peak_mb_definition": "every byte of the layer at its peak: what it holds before the step (its parameters "
+                              "and the FP8 weight copies its caches keep: none when re-quantized, W and W^T when "
+                              "cached, W only with --transpose-in-backward) plus the step's peak with its inputs "
+                              "handed over as in a model (x made by the op before and kept only by the layer, y read "
+                              "by the op after and dropped, dY made by autograd: the BF16 GEMMs' saved x counts, "
+                              "the caller's copies do not)",
+        "step_peak_mb_definition": "max_memory_allocated over one fwd+bwd step minus memory_allocated before it, the "
+                                   "caller holding x, y and dY (weights and inputs allocated; gradients and FP8 "
+                                   "weight copies not); result files without this field call it `<method>_peak_mb` "
+                                   "(and the step's peak plus what the layer holds `<method>_layer_peak_mb`)",
         "te_reported_source": "issue 5: Transformer Engine 2.20 GroupedLinear, blockwise FP8 recipe behind "
                               "Fp8Padding, fc1 -> SwiGLU*probs -> fc2, fwd+bwd, paper sizes, H200; quoted, "
                               "not measured by this script",
@@ -661,7 +663,7 @@ def plot(rows, png, out_dir):
 
 def print_table(rows, summary):
     nan = float("nan")
-    print("\nForward + backward of one expert MLP step (median ms, CUDA events, L2 flushed); peak MB over the step;"
+    print("\nForward + backward of one expert MLP step (median ms, CUDA events, L2 flushed); the layer's peak MB;"
           "\nte_fp8 = Transformer Engine's number QUOTED from issue 5 (not measured here)")
     head = (f"{'model':>14} {'G':>3} {'M':>6} {'dist':>6} {'pad%':>5} {'ours':>8} {'padded':>8} {'bf16':>8} "
             f"{'xpad':>6} {'xbf16':>6} {'te_fp8':>7} {'xte':>6} {'ours_MB':>8} {'pad_MB':>8} {'bf16_MB':>8} exact")

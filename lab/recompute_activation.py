@@ -57,7 +57,7 @@ def run_row(model, G, M, seed, iters):
     times = common.bench_blocks(steps, iters=iters)
     for name in METHODS:
         row[f"{name}_ms"] = round(times[name], 4)
-        row[f"{name}_peak_mb"] = round(steps[name].peak_mb(), 1)
+        row[f"{name}_peak_mb"] = round(steps[name].peak_mb()[0], 1)
         row[f"{name}_held_mb"] = round(held_mb(steps[name]), 1)
     a = [t.clone() for t in steps["keep"].results()]
     row["bitexact"] = all(torch.equal(u, v) for u, v in zip(a, steps["recompute"].results()))
