@@ -14,12 +14,13 @@ if [ "${DEVICE_REBUILD:-1}" = 1 ] || ! python3 -c "import megatron_tma._C" 2>/de
 fi
 stamp built
 # One bench_mlp_layer run (eager steps): $1 a name, $2 its limit in seconds (cut to the time left), then its options;
-# its JSON and log land in $OUT as <name>-*.json and <name>.log, its row lines are echoed.
+# its JSON and log land in $OUT as <name>-*.json and <name>.log (BENCH_LOGS=0: the JSON only), its row lines are
+# echoed.
 bench_layer() {
   local name=$1 limit=$2; shift 2; [ "$(left)" -lt "$limit" ] && limit=$(( $(left) - 5 ))
   [ "$limit" -lt 40 ] && { echo "no time for $name"; return; }
   timeout "$limit" python3 benchmarks/bench_mlp_layer.py --no-graphs "$@" --out "/tmp/b$name" > "/tmp/b$name.log" 2>&1
   stamp "bench $name rc=$?"; grep -E "^\[" "/tmp/b$name.log" | cut -c1-200
   for f in /tmp/b$name/*.json; do [ -f "$f" ] && cp "$f" "$OUT/$name-$(basename "$f")"; done
-  cp "/tmp/b$name.log" "$OUT/$name.log"
+  [ "${BENCH_LOGS:-1}" = 1 ] && cp "/tmp/b$name.log" "$OUT/$name.log"
 }

@@ -5,6 +5,7 @@
 # with cached weights (issue 54's <= x0.9 target), then the M-grouped grid's worst row against the padded GEMM
 # (lab/device_mgrouped_row.sh) in what time is left. Pass MEGATRON_TMA_COMMIT (the device's git does not know the tree).
 DEADLINE=${DEADLINE:-560}
+BENCH_LOGS=0  # (<= 8 files back: the tables are echoed, the JSONs hold the rows)
 source lab/device_call.sh
 # the planned step on the GPU: the expert MLP's and its neighbours' GPU tests (graphs, no host sync, empty
 # groups, refreshed and released weights, the permutation, Megatron's experts); TESTS=0 skips them
@@ -17,4 +18,6 @@ for row in "qwen3_30b_a3b --G 32 --M 32768" "deepseek_v3 --G 8 --M 8192"; do
 done; stamp "memory probe"; grep -E "step peak" "$OUT/mem.log"
 bench_layer release 200 --release-bf16-weights
 bench_layer cached 150 --release-bf16-weights --cached-weights
+# issue 54's third option beside it: W only held, W^T made in each backward
+bench_layer cached-wt 110 --release-bf16-weights --cached-weights --transpose-in-backward --models qwen3_30b_a3b deepseek_v3
 [ "$(left)" -gt 100 ] && DEADLINE=$(( $(left) - 5 )) DEVICE_REBUILD=0 bash lab/device_mgrouped_row.sh
