@@ -437,6 +437,56 @@ def test_the_optimizer_write_runs_in_every_twins_step():
     assert torch.equal(bf16.linear_fc1.weight, steps[2].masters[0].bfloat16())
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_the_handed_step_of_the_layer_peak_is_the_same_step(micro_batches):
+    """The layer peak's step (`handed=True`: x made by an op before the layer, y consumed by one after it, dY made by
+    autograd) computes what the timed step does, bit for bit, for every twin (CPU reference kernels); only who holds
+    x, y and dY differs: after the handed forward no one but the layer's saved tensors holds x's copy and y."""
+    import weakref
+
+    import torch
+
+    import bench_mlp_layer as bml
+    from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
+
+    g, h, f = 4, 256, 128
+    sizes = torch.tensor([40, 0, 70, 18])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(128, h, generator=gen).bfloat16().requires_grad_()
+    probs = torch.rand(128, generator=gen).requires_grad_()
+    dy = torch.randn(128, h, generator=gen).bfloat16()
+    for module in (GroupedFP8MLP(g, h, f, backend="reference"), GroupedBF16MLP(g, h, f)):
+        step = (bml.Step(module, x, sizes, probs, dy, True) if micro_batches == 1 else
+                bml.AccumulatingStep(module, x, sizes, probs, dy, True, micro_batches))
+        grads = [lambda: x.grad, lambda: probs.grad] + [
+            (lambda w=w: w.main_grad if micro_batches > 1 else w.grad) for w in module.parameters()]
+        step()
+        plain = [t().clone() for t in grads]
+        step(handed=True)
+        assert all(torch.equal(u, t()) for u, t in zip(plain, grads)), type(module).__name__
+        for w in module.parameters():
+            if micro_batches > 1:
+                del w.main_grad
+    # what the handed forward leaves alive: the BF16 layer keeps x's copy for its weight gradient, ours does not
+    made = []
+    real = bml._HandedInput.forward
+
+    def forward(ctx, t):
+        out = real(ctx, t)
+        made.append(weakref.ref(out))
+        return out
+
+    for module, kept in ((GroupedFP8MLP(g, h, f, backend="reference"), False), (GroupedBF16MLP(g, h, f), True)):
+        made.clear()
+        bml._HandedInput.forward = staticmethod(forward)
+        try:
+            y, _ = module(bml._HandedInput.apply(x), sizes, probs)
+        finally:
+            bml._HandedInput.forward = staticmethod(real)
+        assert (made[0]() is not None) == kept, type(module).__name__
+        del y
+
+
 def test_layer_rows_that_did_not_fit_are_listed_not_averaged():
     """A grid row that ran out of GPU memory is recorded with its error: the summary lists it under rows_not_run and
     takes its ratios, bits and peaks from the rows that ran only (an empty list when every row ran)."""
