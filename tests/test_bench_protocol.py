@@ -401,6 +401,19 @@ def test_quoted_te_numbers_pair_only_with_an_h200():
     assert not bench_mlp_layer.te_reported_comparable("NVIDIA H100 PCIe")
 
 
+def _small_layer_inputs(seed):
+    """(G, H, F, sizes, x, probs, dy) of a small expert-MLP step for bench_mlp_layer's steps on the CPU (x and probs
+    are leaves that want gradients; an empty group among them)."""
+    import torch
+
+    g, h, f = 4, 256, 128
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, h, generator=gen).bfloat16().requires_grad_()
+    probs = torch.rand(128, generator=gen).requires_grad_()
+    dy = torch.randn(128, h, generator=gen).bfloat16()
+    return g, h, f, torch.tensor([40, 0, 70, 18]), x, probs, dy
+
+
 def test_the_optimizer_write_runs_in_every_twins_step():
     """bench_mlp_layer --optimizer-write / --release-bf16-weights on the CPU's reference kernels: each step starts with
     the write of the weights from FP32 masters in every method (a master changed between steps reaches every twin's
@@ -411,12 +424,7 @@ def test_the_optimizer_write_runs_in_every_twins_step():
     import bench_mlp_layer as bml
     from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
-    g, h, f = 4, 256, 128
-    sizes = torch.tensor([40, 0, 70, 18])
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(128, h, generator=gen).bfloat16().requires_grad_()
-    probs = torch.rand(128, generator=gen).requires_grad_()
-    dy = torch.randn(128, h, generator=gen).bfloat16()
+    g, h, f, sizes, x, probs, dy = _small_layer_inputs(seed=0)
     plain = GroupedFP8MLP(g, h, f, backend="reference")
     released = GroupedFP8MLP(g, h, f, backend="reference", release_bf16_weights=True)
     bf16 = GroupedBF16MLP(g, h, f)
@@ -449,12 +457,7 @@ def test_the_handed_step_of_the_layer_peak_is_the_same_step(micro_batches):
     import bench_mlp_layer as bml
     from megatron_tma.mlp import GroupedBF16MLP, GroupedFP8MLP
 
-    g, h, f = 4, 256, 128
-    sizes = torch.tensor([40, 0, 70, 18])
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(128, h, generator=gen).bfloat16().requires_grad_()
-    probs = torch.rand(128, generator=gen).requires_grad_()
-    dy = torch.randn(128, h, generator=gen).bfloat16()
+    g, h, f, sizes, x, probs, dy = _small_layer_inputs(seed=1)
     for module in (GroupedFP8MLP(g, h, f, backend="reference"), GroupedBF16MLP(g, h, f)):
         step = (bml.Step(module, x, sizes, probs, dy, True) if micro_batches == 1 else
                 bml.AccumulatingStep(module, x, sizes, probs, dy, True, micro_batches))
