@@ -9,9 +9,12 @@ BENCH_LOGS=0  # (<= 8 files back: the tables are echoed, the JSONs hold the rows
 source lab/device_call.sh
 # the planned step on the GPU: the expert MLP's and its neighbours' GPU tests (graphs, no host sync, empty
 # groups, refreshed and released weights, the permutation, Megatron's experts); TESTS=0 skips them
-[ "${TESTS:-1}" = 1 ] && { timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_mlp_gpu.py \
-  tests/test_weight_refresh_gpu.py tests/test_released_weights.py tests/test_permutation_gpu.py tests/test_mcore_gpu.py \
-  tests/test_transposed_weight.py > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
+# (TESTS=short: the expert MLP's and the released weights' only)
+TEST_FILES="tests/test_mlp_gpu.py tests/test_released_weights.py"
+[ "${TESTS:-1}" = 1 ] && TEST_FILES="$TEST_FILES tests/test_weight_refresh_gpu.py tests/test_permutation_gpu.py \
+  tests/test_mcore_gpu.py tests/test_transposed_weight.py"
+[ "${TESTS:-1}" != 0 ] && { timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $TEST_FILES \
+  > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
 bench_layer release 200 --release-bf16-weights
 # what is alive at each twin's peak (lab/probe_layer_memory.py), inputs handed over as in a model
 for row in "qwen3_30b_a3b --G 32 --M 32768" "deepseek_v3 --G 8 --M 8192"; do
