@@ -201,6 +201,20 @@ def test_graphed_vs_eager_head_to_head(recipe):
     assert not recipe.results.graphed_vs_eager(run([2, 2], [1.0, 0.4]), run([3, 3], [1.0, 0.5]))["bitexact"]
 
 
+def test_head_to_head_names_the_held_bytes_that_differ(recipe):
+    """The head-to-head carries, beside the peak ratio, which parts of the state held between steps differ (ours
+    minus theirs, megatron_tma.mcore.held_memory's parts, MB); parts equal in both are left out."""
+    def run(held, ms):
+        return {"times": [ms] * 4, "losses": [1.0] * 4, "grad_norms": [1.0] * 4, "peak_mb": 100.0, "held_mb": held,
+                "init_digests": [{"w": "x"}], "param_digests": [{"w": "y"}]}
+
+    runs = {"unpadded": run({"expert_weights": 0.0, "expert_fp8_copies": 20.0, "expert_grads": 40.0}, 2),
+            "bf16": run({"expert_weights": 20.0, "expert_fp8_copies": 0.0, "expert_grads": 40.0}, 3)}
+    row = recipe.results.head_to_head(runs, recipe.results.summarize(runs)[0])["unpadded_vs_bf16"]
+    assert row["held_mb_difference"] == {"expert_weights": -20.0, "expert_fp8_copies": 20.0}
+    assert row["peak_ratio"] == 1.0 and row["speedup"] == 1.5
+
+
 def test_virtual_pipeline_chunks_are_named_apart(recipe):
     """With --vpp every chunk's weights get their own prefix, so that digests of two chunks' equally named layers
     stay apart; a single chunk keeps Megatron's names. --vpp without pipeline stages is refused."""

@@ -15,6 +15,8 @@
   copy either way);
 * `wgrad_deferral`: `defer_expert_wgrads(model_chunks, config)`, the experts' weight gradients computed once a step,
   over every micro-batch, before Megatron's `finalize_model_grads`;
+* `held_memory`: `held_bytes(models, optimizer)`, what each byte of a training state held between steps is (expert
+  and other weights, FP8 copies, gradients, FP32 masters, Adam's moments);
 * `experts_impl`: Megatron-LM's flag `--moe-experts-impl megatron_tma-unpadded`, which `patches/` adds: its choices
   and the hook the patched GPT builder calls (no Megatron import until the hook runs).
 The recipe that trains a small MoE GPT with each mode under torchrun and compares them is `recipes/moe_gpt.py`.

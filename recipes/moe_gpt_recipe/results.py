@@ -96,7 +96,8 @@ LOSS_WINDOW, LOSS_TOLERANCE, LOSS_MIN_STEPS = 100, 0.01, 300
 
 def head_to_head(runs, report):
     """{f"unpadded_vs_{other}": ratios and targets} for `other` in te / bf16 where both ran: speed-up (their median
-    step time over ours: = our tokens/s over theirs, the same tokens per step), peak memory ours / theirs, the last
+    step time over ours: = our tokens/s over theirs, the same tokens per step), peak memory ours / theirs (and where
+    the bytes held between steps differ, by part: `held_mb_difference`, ours minus theirs), the last
     LOSS_WINDOW steps' mean loss, relative gap, and whether each target is met (the loss target None, "not judged",
     on runs shorter than LOSS_MIN_STEPS). A measurement: reported, never a failure of the run (the bit-for-bit
     checks are)."""
@@ -117,6 +118,10 @@ def head_to_head(runs, report):
             f"loss_window_mean_{other}"]
         if ours.get("peak_mb") and theirs.get("peak_mb"):
             row["peak_ratio"] = ours["peak_mb"] / theirs["peak_mb"]
+        held = (runs["unpadded"].get("held_mb"), runs[other].get("held_mb"))
+        if all(held):  # which bytes of the state between steps differ (megatron_tma.mcore.held_memory), MB
+            row["held_mb_difference"] = {part: held[0][part] - held[1][part] for part in held[0]
+                                         if part in held[1] and held[0][part] != held[1][part]}
         for key in ("experts_share_of_step",):
             if key in ours and key in theirs:
                 row[key] = {"unpadded": ours[key], other: theirs[key]}
@@ -223,7 +228,7 @@ def write_results(args, runs, report, failures, world, loss_floor, extra_head_to
                  for m, run in runs.items() for i, (l, n, t) in enumerate(zip(run["losses"], run["grad_norms"],
                                                                                 run["times"]))],
         "records": {m: {k: run.get(k) for k in ("init_digests", "param_digests", "experts_diff_vs_megatron",
-                                                 "peak_mb", "left_allocated_mb", "eval_loss",
+                                                 "peak_mb", "held_mb", "left_allocated_mb", "eval_loss",
                                                  "eval_loss_requantized", "eval_exact",
                                                  "optimizer_steps_counted", "resumed_from_step",
                                                  "experts_share", "optimizer_class", "norm_classes",

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron_tma.mcore import (
     checkpoint, experts as mcore_experts, invalidate_fp8_weights, keep_token_counts_on_device, permute_in_experts)
 from megatron_tma.mcore.device_token_counts import refusal as host_counts_refusal
+from megatron_tma.mcore.held_memory import held_bytes
 from megatron_tma.released_weights import materialize_bf16_weights
 
 from . import megatron_core as mc
@@ -144,6 +145,9 @@ def train(args, mode, rank, batches, eager=False):
         fwd_bwd.reset_cuda_graph()  # the graph and its pool go with the mode
     peak = torch.tensor(float(torch.cuda.max_memory_allocated() - mem0) / 2**20, device="cuda")
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # what the state held between steps is, by part (this rank's), beside what the allocator counts
+    held = {part: b / 2**20 for part, b in held_bytes(models, optimizer).items()}
+    held["allocated"] = (torch.cuda.memory_allocated() - mem0) / 2**20
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
     # the stepped weights. Evaluated as is, then again with the FP8 copies forcibly re-made: the same loss.
     eval_loss = evaluate(args, models, batches)
@@ -152,7 +156,8 @@ def train(args, mode, rank, batches, eager=False):
     found = sum(invalidate_fp8_weights(model) for model in models)
     eval_requantized = evaluate(args, models, batches) if found else eval_loss
     param_digests = gathered(digests(named_parameters(models)))
-    return {**progress, "param_digests": param_digests, "peak_mb": float(peak), "resumed_from_step": start,
+    return {**progress, "param_digests": param_digests, "peak_mb": float(peak), "held_mb": held,
+            "resumed_from_step": start,
             "start_allocated_bytes": mem0,
             "eval_loss": eval_loss, "eval_loss_requantized": eval_requantized, "eval_exact": not args.nondeterministic,
             # the torch optimizer Megatron's optimizer steps: TE's FusedAdam where TE is installed, else Apex's or torch's
