@@ -15,7 +15,8 @@ TEST_FILES="tests/test_mlp_gpu.py tests/test_released_weights.py"
   tests/test_mcore_gpu.py tests/test_transposed_weight.py"
 [ "${TESTS:-1}" != 0 ] && { timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE $TEST_FILES \
   > "$OUT/tests.log" 2>&1; stamp "tests rc=$?"; tail -2 "$OUT/tests.log"; }
-bench_layer release 200 --release-bf16-weights
+# (GRID_MODELS: only these models' rows, e.g. qwen3_30b_a3b, when the call is short)
+bench_layer release 200 --release-bf16-weights ${GRID_MODELS:+--models $GRID_MODELS}
 # what is alive at each twin's peak (lab/probe_layer_memory.py), inputs handed over as in a model
 for row in "qwen3_30b_a3b --G 32 --M 32768" "deepseek_v3 --G 8 --M 8192"; do
   [ "$(left)" -gt 60 ] && timeout 40 python3 lab/probe_layer_memory.py --model $row --release-bf16-weights \
