@@ -23,10 +23,10 @@ modules `release_bf16_weights=True`, whose write makes their FP8 copies straight
 (megatron_tma.released_weights). `<method>_peak_mb` is every byte of the layer at its peak: the parameters and FP8
 copies it holds between steps plus the step's peak (torch.cuda.max_memory_allocated over one step minus what was
 allocated before it) with x and dY handed over as in a model, so that only the layer keeps x (the BF16 GEMMs save it,
-ours keeps its FP8 columns); `<method>_step_peak_mb` is the step's own peak with the caller holding x, y and dY. Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8
-behind Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as
-`te_fp8_ms_reported` / `te_bf16_ms_reported`, on an H200 only (the GPU they come from): they were not measured by
-this script.
+ours keeps its FP8 columns); `<method>_step_peak_mb` is the step's own peak with the caller holding x, y and dY.
+Rows of the six configurations measured with Transformer Engine 2.20 (GroupedLinear + blockwise FP8 behind
+Fp8Padding, Megatron's Hopper FP8 expert path) carry those QUOTED numbers from issue 5 as `te_fp8_ms_reported` /
+`te_bf16_ms_reported`, on an H200 only (the GPU they come from): they were not measured by this script.
 Every method's step is also captured whole in a CUDA graph and timed replayed (`<method>_graph_ms`; the layer is
 sync-free, so forward + backward capture; with re-quantized weights the graph contains the weight quantization),
 which takes the host out of the step: `<method>_host_ms` is the host time to enqueue one eager step. `graph_bitexact`:

@@ -24,5 +24,6 @@ for row in "qwen3_30b_a3b --G 32 --M 32768" "deepseek_v3 --G 8 --M 8192"; do
 done; stamp "memory probe"; grep -E "step peak" "$OUT/mem.log"
 bench_layer cached 150 --release-bf16-weights --cached-weights
 # issue 54's third option beside it: W only held, W^T made in each backward
-bench_layer cached-wt 110 --release-bf16-weights --cached-weights --transpose-in-backward --models qwen3_30b_a3b deepseek_v3
+bench_layer cached-wt 110 --release-bf16-weights --cached-weights --transpose-in-backward \
+  --models qwen3_30b_a3b deepseek_v3
 [ "$(left)" -gt 100 ] && DEADLINE=$(( $(left) - 5 )) DEVICE_REBUILD=0 bash lab/device_mgrouped_row.sh
