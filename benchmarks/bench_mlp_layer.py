@@ -152,9 +152,9 @@ class Step:
 
     def __call__(self, handed=False):
         self.reset()
-        if handed:
-            out, _ = self.module(_HandedInput.apply(self.x), self.sizes, self.probs)
-            _ConsumedOutput.apply(out, self.dy).backward()
+        if handed:  # (no name holds y: it is freed once the op after has read it)
+            _ConsumedOutput.apply(self.module(_HandedInput.apply(self.x), self.sizes, self.probs)[0],
+                                  self.dy).backward()
             return None
         out, _ = self.module(self.x, self.sizes, self.probs)
         out.backward(self.dy)
@@ -192,6 +192,7 @@ class Step:
         """(the layer's peak: the step's peak with the inputs handed over as in a model (`handed`) plus what the layer
         holds before the step, so that no form of the weights and no kept input drops out; the step's own peak:
         max_memory_allocated over one step minus what was allocated before it, the inputs held by the caller), MB."""
+        self.reset()  # (what the layer holds between steps: after the reset, no copy a re-quantizing cache drops)
         resident = self.resident_bytes()
         return (self._step_peak(True) + resident) / 2**20, self._step_peak(False) / 2**20
 
@@ -221,9 +222,8 @@ class AccumulatingStep(Step):
         out = None
         for _ in range(self.micro_batches):
             if handed:  # (as Step's)
-                y, _ = self.module(_HandedInput.apply(self.x), self.sizes, self.probs)
-                _ConsumedOutput.apply(y, self.dy).backward()
-                del y
+                _ConsumedOutput.apply(self.module(_HandedInput.apply(self.x), self.sizes, self.probs)[0],
+                                      self.dy).backward()
             else:
                 out, _ = self.module(self.x, self.sizes, self.probs)
                 out.backward(self.dy)

@@ -29,14 +29,18 @@ def site(frames):
     """The innermost frame of this repository's Python (package, benchmark or lab) that led to an allocation."""
     for f in frames:
         name = f.get("filename", "")
-        if ROOT in name and "probe_layer_memory" not in name:
+        # (not the wheels lab/device_call.sh installs under the repository's .site)
+        if name.startswith(ROOT + os.sep) and not name.startswith(os.path.join(ROOT, ".site")) \
+                and "probe_layer_memory" not in name:
             return f"{os.path.relpath(name, ROOT)}:{f.get('line')} {f.get('name')}"
     return "(outside the repository)"
 
 
 def replay(trace):
-    """(peak bytes above the trace's start, the blocks alive at the peak as (size, site), the site of the allocation
-    that made the peak) from one device's trace of alloc / free_completed actions."""
+    """(peak bytes above the trace's start, the blocks allocated in the trace and alive at the peak as (size, site), the
+    site of the allocation that made the peak) from one device's trace of alloc / free_completed actions. A block
+    allocated before the trace and freed in it lowers the count (the step's reset frees the old FP8 copies before
+    writing new ones); it has no site to name."""
     live, cur, peak, at_peak, peak_site = {}, 0, -1, [], None
     for e in trace:
         if e["action"] == "alloc":
@@ -44,8 +48,9 @@ def replay(trace):
             cur += e["size"]
             if cur > peak:
                 peak, at_peak, peak_site = cur, list(live.values()), live[e["addr"]][1]
-        elif e["action"] == "free_completed" and e["addr"] in live:
-            cur -= live.pop(e["addr"])[0]
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+            cur -= e["size"]
     return peak, at_peak, peak_site
 
 

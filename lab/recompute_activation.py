@@ -7,8 +7,9 @@ activation's FP8 columns (`keep`) and the one that recomputes them in backward (
 * `<m>_held_mb`: what the forward leaves allocated for backward (memory_allocated after the forward, minus before
   it and minus the output), with the FP8 weight copies already cached: the activation memory a layer holds from
   its forward to its backward, which is what adds up over the layers of a model;
-* `<m>_peak_mb`: bench_mlp_layer.py's peak over one step (a one-layer number: recomputation allocates z again in
-  backward, so this one can grow while the held memory shrinks);
+* `<m>_peak_mb`: bench_mlp_layer.py's layer peak (what the layer holds plus one step with its inputs handed over;
+  a one-layer number: recomputation allocates z again in backward, so this one can grow while the held memory
+  shrinks);
 * `bitexact`: every output and gradient equal between the two.
 
     python lab/recompute_activation.py [--iters 25] [--out FILE.json]   # writes FILE.png beside it

@@ -445,6 +445,7 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
     wgrads = [None] * len(weights)
     if need_dw and deferral is not None:
         deferral.add(PendingWgrad(dyt, dyt_s, xt, xt_s, groups), tuple(needs_dw))
+        del dyt, dyt_s  # (the deferral holds them; its combine frees each source once copied)
         if deferral.due():  # the step's last backward (Megatron's last micro-batch): every pending one, now
             item, _ = deferral.take()
             wgrads = _weight_grads(weights, needs_dw, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
@@ -453,9 +454,8 @@ def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, need
             wgrads = _main_grad_placeholders(weights, needs_dw)  # DDP's hooks see a gradient per micro-batch
     elif need_dw:
         wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
+        del dyt, dyt_s
     if need_dx:
-        if need_dw:
-            del dyt, dyt_s  # (a deferral that waits keeps its own reference)
         dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
     return dx, wgrads
 

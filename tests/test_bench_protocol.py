@@ -449,7 +449,7 @@ def test_the_optimizer_write_runs_in_every_twins_step():
 def test_the_handed_step_of_the_layer_peak_is_the_same_step(micro_batches):
     """The layer peak's step (`handed=True`: x made by an op before the layer, y consumed by one after it, dY made by
     autograd) computes what the timed step does, bit for bit, for every twin (CPU reference kernels); only who holds
-    x, y and dY differs: after the handed forward no one but the layer's saved tensors holds x's copy and y."""
+    x, y and dY differs: by the backward's start no name holds y, and x's copy only where the layer saved it."""
     import weakref
 
     import torch
@@ -470,24 +470,60 @@ def test_the_handed_step_of_the_layer_peak_is_the_same_step(micro_batches):
         for w in module.parameters():
             if micro_batches > 1:
                 del w.main_grad
-    # what the handed forward leaves alive: the BF16 layer keeps x's copy for its weight gradient, ours does not
-    made = []
-    real = bml._HandedInput.forward
+    # what the handed step leaves alive: at the backward's start, the BF16 layer still keeps x's copy (its GEMM's
+    # saved input), ours does not; y is gone for both (the op after read it and no name holds it)
+    seen = {}
+    real_in, real_back = bml._HandedInput.forward, bml._ConsumedOutput.backward
 
-    def forward(ctx, t):
-        out = real(ctx, t)
-        made.append(weakref.ref(out))
+    def handed_in(ctx, t):
+        seen["x"] = weakref.ref(out := real_in(ctx, t))
         return out
 
-    for module, kept in ((GroupedFP8MLP(g, h, f, backend="reference"), False), (GroupedBF16MLP(g, h, f), True)):
-        made.clear()
-        bml._HandedInput.forward = staticmethod(forward)
+    def consumed_backward(ctx, grad):
+        seen["alive"] = (seen["x"]() is not None, seen["y"]() is not None)
+        return real_back(ctx, grad)
+
+    def watched(module):  # the layer's output as its caller gets it
+        forward = module.forward
+
+        def run(*args, **kwargs):
+            result = forward(*args, **kwargs)
+            seen["y"] = weakref.ref(result[0])
+            return result
+        module.forward = run
+        return module
+
+    for module, keeps_x in ((watched(GroupedFP8MLP(g, h, f, backend="reference")), False),
+                            (watched(GroupedBF16MLP(g, h, f)), True)):
+        bml._HandedInput.forward = staticmethod(handed_in)
+        bml._ConsumedOutput.backward = staticmethod(consumed_backward)
         try:
-            y, _ = module(bml._HandedInput.apply(x), sizes, probs)
+            bml.Step(module, x, sizes, probs, dy, True)(handed=True)
         finally:
-            bml._HandedInput.forward = staticmethod(real)
-        assert (made[0]() is not None) == kept, type(module).__name__
-        del y
+            bml._HandedInput.forward = staticmethod(real_in)
+            bml._ConsumedOutput.backward = staticmethod(real_back)
+        assert seen["alive"] == (keeps_x, False), type(module).__name__
+
+
+def test_the_layer_peak_counts_no_copy_a_requantizing_cache_drops(monkeypatch):
+    """`peak_mb`'s resident part is taken after the step's reset: a layer that re-quantizes every step holds its
+    parameters between steps, not the copies its cache kept from the step timed before (those are made, and counted,
+    inside the step). The allocator's counters are stubbed to 0 here (CPU), leaving the resident part alone."""
+    import torch
+
+    import bench_mlp_layer as bml
+    from megatron_tma.mlp import GroupedFP8MLP
+
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    g, h, f, sizes, x, probs, dy = _small_layer_inputs(seed=2)
+    module = GroupedFP8MLP(g, h, f, backend="reference")
+    step = bml.Step(module, x, sizes, probs, dy, True)
+    step()  # (the cache now holds this step's copies, as after the timed blocks)
+    layer_mb, step_mb = step.peak_mb()
+    assert layer_mb * 2**20 == sum(p.numel() * 2 for p in module.parameters()) and step_mb == 0
 
 
 def test_layer_rows_that_did_not_fit_are_listed_not_averaged():

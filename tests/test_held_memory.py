@@ -89,3 +89,41 @@ def test_no_optimizer_and_an_fp32_model():
     n = 128 * 64 + 64
     assert held["other_weights"] == 4 * n and held["other_grads"] == 4 * n and held["other_masters"] == 0
     assert held["other_optimizer_state"] >= 8 * n and held["unpaired_optimizer_state"] == 0
+
+
+def test_overlapping_views_count_once_and_shards_pair_with_their_parameters():
+    """Megatron's distributed optimizer's layout (its attribute names, a stand-in object: building the real one needs
+    a process group and DDP's buffers): BF16 parameters whose `main_grad`s are views of one FP32 buffer, FP32 master
+    shards paired with their parameters by `model_float16_groups` / `shard_fp32_from_float16_groups`, each shard's
+    `.grad` a view of that same buffer (counted once, with the gradients), Adam's moments per shard."""
+    import types
+
+    experts = torch.nn.Module()
+    experts.experts = torch.nn.Module()
+    experts.experts.w = torch.nn.Parameter(torch.zeros(64, 32, dtype=torch.bfloat16))
+    experts.norm = torch.nn.Parameter(torch.zeros(32, dtype=torch.bfloat16))
+    params = [experts.experts.w, experts.norm]
+    buffer = torch.zeros(64 * 32 + 32)
+    experts.experts.w.main_grad = buffer[:2048].view(64, 32)
+    experts.norm.main_grad = buffer[2048:]
+    # this rank's shards: the first half of the expert weight, all of the norm
+    shards = [experts.experts.w.detach()[:32].float(), experts.norm.detach().float()]
+    shards[0].grad = buffer[:1024].view(32, 32)
+    shards[1].grad = buffer[2048:]
+    inner = torch.optim.Adam(shards)
+    for s in shards:
+        inner.state[s] = {"exp_avg": torch.zeros_like(s), "exp_avg_sq": torch.zeros_like(s)}
+    dist_opt = types.SimpleNamespace(optimizer=inner, model_float16_groups=[params],
+                                     shard_fp32_from_float16_groups=[shards])
+    held = held_bytes([experts], types.SimpleNamespace(chained_optimizers=[dist_opt]))
+    assert held["expert_weights"] == 2 * 2048 and held["other_weights"] == 2 * 32
+    assert held["expert_grads"] == 4 * 2048 and held["other_grads"] == 4 * 32  # the shards' grads: no byte twice
+    assert held["expert_masters"] == 4 * 1024 and held["other_masters"] == 4 * 32
+    assert held["expert_optimizer_state"] == 8 * 1024 and held["other_optimizer_state"] == 8 * 32
+    assert held["unpaired_masters"] == held["unpaired_grads"] == held["unpaired_optimizer_state"] == 0
+    # an unpaired master (no pairing lists) and a rank whose chained optimizer holds none
+    lone = torch.zeros(16, requires_grad=True)
+    lone.grad = torch.zeros(16)
+    held = held_bytes([], torch.optim.SGD([lone], lr=0.1))
+    assert held["unpaired_masters"] == 64 and held["unpaired_grads"] == 64
+    assert sum(held_bytes([], types.SimpleNamespace(chained_optimizers=[])).values()) == 0

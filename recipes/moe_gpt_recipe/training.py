@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_tma.mcore import (
     checkpoint, experts as mcore_experts, invalidate_fp8_weights, keep_token_counts_on_device, permute_in_experts)
 from megatron_tma.mcore.device_token_counts import refusal as host_counts_refusal
-from megatron_tma.mcore.held_memory import held_bytes
+from megatron_tma.mcore.held_memory import PARTS, held_bytes
 from megatron_tma.released_weights import materialize_bf16_weights
 
 from . import megatron_core as mc
@@ -148,6 +148,8 @@ def train(args, mode, rank, batches, eager=False):
     # what the state held between steps is, by part (this rank's), beside what the allocator counts
     held = {part: b / 2**20 for part, b in held_bytes(models, optimizer).items()}
     held["allocated"] = (torch.cuda.memory_allocated() - mem0) / 2**20
+    # what the parts do not name (workspaces, buffers, Transformer Engine's private FP8 copies)
+    held["unattributed"] = held["allocated"] - sum(held[part] for part in PARTS)
     # Megatron's evaluation comes right after a step, without the per-iteration reset of DDP's flag: it must run on
     # the stepped weights. Evaluated as is, then again with the FP8 copies forcibly re-made: the same loss.
     eval_loss = evaluate(args, models, batches)
