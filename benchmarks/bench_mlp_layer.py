@@ -152,7 +152,12 @@ class Step:
 
     def __call__(self, handed=False):
         self.reset()
-        if handed:  # (no name holds y: it is freed once the op after has read it)
+        return self.forward_backward(handed)
+
+    def forward_backward(self, handed=False):
+        """One forward + backward on the inputs: the output, or None when `handed` (no name holds y then: it is
+        freed once the op after has read it)."""
+        if handed:
             _ConsumedOutput.apply(self.module(_HandedInput.apply(self.x), self.sizes, self.probs)[0],
                                   self.dy).backward()
             return None
@@ -219,14 +224,8 @@ class AccumulatingStep(Step):
 
     def __call__(self, handed=False):
         self.reset()
-        out = None
         for _ in range(self.micro_batches):
-            if handed:  # (as Step's)
-                _ConsumedOutput.apply(self.module(_HandedInput.apply(self.x), self.sizes, self.probs)[0],
-                                      self.dy).backward()
-            else:
-                out, _ = self.module(self.x, self.sizes, self.probs)
-                out.backward(self.dy)
+            out = self.forward_backward(handed)
             for w in self.params:
                 if w.grad is not None:  # the BF16 module's; the FP8 ones' went into main_grad
                     w.main_grad.add_(w.grad)

@@ -127,3 +127,10 @@ def test_overlapping_views_count_once_and_shards_pair_with_their_parameters():
     held = held_bytes([], torch.optim.SGD([lone], lr=0.1))
     assert held["unpaired_masters"] == 64 and held["unpaired_grads"] == 64
     assert sum(held_bytes([], types.SimpleNamespace(chained_optimizers=[])).values()) == 0
+    # gradients that overlap in part (and a strided view inside them): their union, 75 floats
+    buffer = torch.zeros(100)
+    a, b = torch.zeros(50, requires_grad=True), torch.zeros(50, requires_grad=True)
+    a.grad, b.grad = buffer[:50], buffer[25:75]
+    c = torch.zeros(5, 2, requires_grad=True)
+    c.grad = buffer[:50].view(10, 5)[::2, :2]
+    assert held_bytes([], torch.optim.SGD([a, b, c], lr=0.1))["unpaired_grads"] == 4 * 75

@@ -57,17 +57,12 @@ class _Counter:
         storage = t.untyped_storage()
         if t.device.type == "meta" or storage.nbytes() == 0 or t.numel() == 0:
             return 0
-        size = t.element_size()
-        if t.is_contiguous():
-            start = t.data_ptr() - storage.data_ptr()
-            end = start + t.numel() * size
-        else:  # (the extent a strided view spans; no tensor this counts is one)
-            lo = sum(st * (n - 1) for st, n in zip(t.stride(), t.shape) if st < 0)
-            hi = sum(st * (n - 1) for st, n in zip(t.stride(), t.shape) if st > 0)
-            start = t.data_ptr() - storage.data_ptr() + lo * size
-            end = t.data_ptr() - storage.data_ptr() + (hi + 1) * size
+        # the bytes the tensor spans in its storage (a contiguous tensor's own bytes; a strided view's whole extent)
+        offset, size = t.data_ptr() - storage.data_ptr(), t.element_size()
+        start = offset + size * sum(st * (n - 1) for st, n in zip(t.stride(), t.shape) if st < 0)
+        end = offset + size * (1 + sum(st * (n - 1) for st, n in zip(t.stride(), t.shape) if st > 0))
         spans = self.spans.setdefault(storage.data_ptr(), [])
-        covered, merged = 0, []
+        length, covered, merged = end - start, 0, []
         for a, b in spans:
             if b < start or a > end:
                 merged.append((a, b))
@@ -76,7 +71,7 @@ class _Counter:
                 start, end = min(a, start), max(b, end)
         merged.append((start, end))
         self.spans[storage.data_ptr()] = sorted(merged)
-        return (t.numel() * size if t.is_contiguous() else end - start) - covered
+        return length - covered
 
 
 def held_bytes(models: Iterable[torch.nn.Module], optimizer=None) -> Dict[str, int]:
