@@ -22,7 +22,7 @@ from ._validate import check_same_device, not_twice_differentiable
 from .activation import (GATED, act_times_probs_backward, act_times_probs_forward, check_activation_args,
                          resolve_kernel)
 from ._validate import check_bool
-from .autograd import (FP8WeightCache, Weights, check_linear_args, dgrad_operands, dgrad_weights, linear_backward,
+from .autograd import (FP8WeightCache, Weights, check_linear_args, dgrad_operands, linear_backward,
                        linear_forward, quantized_weights)
 from .groups import Groups
 from .wgrad_deferral import WgradDeferral
@@ -56,7 +56,6 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
     @not_twice_differentiable("fp8_activation_grouped_linear")
     def backward(ctx, dy):
         h, probs, groups, qt, st, *weights = ctx.saved_tensors
-        qt, st = dgrad_weights(ctx, qt, st)
         groups = Groups(groups, *ctx.groups_meta)
         need_dh, need_dprobs = ctx.needs_input_grad[_H], ctx.needs_input_grad[_PROBS]
         zt = zt_s = None
@@ -64,8 +63,9 @@ class _FP8ActivationGroupedLinear(torch.autograd.Function):
             z = _z(h, probs, ctx.activation, ctx.use_kernel)
             zt, zt_s = quant.run_grouped_128x1(z, groups, ctx.pow2, ctx.backend)
             del z
-        dz, wgrads = linear_backward(dy, groups, zt, zt_s, qt, st, weights, need_dh or need_dprobs,
-                                     ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2, deferral=ctx.deferral)
+        dz, wgrads = linear_backward(dy, groups, zt, zt_s, (qt, st), weights, need_dh or need_dprobs,
+                                     ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2, deferral=ctx.deferral,
+                                     transpose_in_backward=ctx.transpose_in_backward)
         del zt, zt_s
         dh = dprobs = None
         if dz is not None:

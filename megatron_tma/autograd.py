@@ -53,6 +53,10 @@ __all__ = [
     "check_linear_args",
     "quantized_weights",
     "linear_backward",
+    "forward_keeping_columns",
+    "quantize_output_grad",
+    "weight_grads",
+    "dgrad",
     "linear_forward",
     "checked_linear",
 ]
@@ -212,13 +216,6 @@ def dgrad_operands(ctx, q, s, qt, st, need_dx):
     return (q, s) if qt is None else (qt, st)
 
 
-def dgrad_weights(ctx, saved_q, saved_s):
-    """dgrad's (qt, st) from what `dgrad_operands` saved."""
-    if ctx.transpose_in_backward:
-        return transposed_weights(saved_q, saved_s)
-    return saved_q, saved_s
-
-
 # Optimizer steps. Version counters do not see every weight update: torch's fused optimizers (`Adam`, `AdamW`, `SGD`,
 # `Adagrad` with `fused=True`) write the parameters without moving them, and so does any optimizer that writes
 # through `p.data` (Megatron's copy of its main params, a user's own). So the cache key also holds a process-wide
@@ -373,6 +370,19 @@ def linear_forward(x, groups, q, s, backend, pow2):
     return gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
 
 
+def forward_keeping_columns(x, groups, q, s, rows, need_dw, backend, pow2):
+    """(Y, X's per-group FP8 columns and their scales) of `Y = grouped(X . W^T)`, X = `x[rows]` with `rows`: with
+    `need_dw` the columns wgrad reads come from the same read of x as the rows the GEMM reads (X is not kept in
+    BF16), else (Y, None, None)."""
+    if not need_dw:
+        return linear_forward(x if rows is None else x.index_select(0, rows), groups, q, s, backend, pow2), None, None
+    if rows is None:
+        xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
+    else:  # the permutation fused into the read of the routed tokens
+        xq, xs, xt, xt_s = quant.run_gather_1x128_and_grouped_128x1(x, rows, groups, pow2, backend)
+    return gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend), xt, xt_s
+
+
 class _FP8GroupedLinear(torch.autograd.Function):
     """y = grouped(x . W^T); the weights come in pre-quantized (q, s, qt, st) and, after the options, as the
     parameters themselves, only so that their gradients (or `main_grad`s) can be routed. With `rows` (a
@@ -385,17 +395,8 @@ class _FP8GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, groups, q, s, qt, st, rows, token_rows, out_rows, out_token_rows, backend, pow2, deferral,
                 *weights):
         need_dx = ctx.needs_input_grad[_X]
-        need_dw = any(ctx.needs_input_grad[_WEIGHTS:])
-        xt = xt_s = None
-        if need_dw:  # wgrad's operand, already in FP8 (X is not kept in BF16), from the same read of x
-            if rows is None:
-                xq, xs, xt, xt_s = quant.run_1x128_and_grouped_128x1(x, groups, pow2, backend)
-            else:  # the permutation fused into the read of the routed tokens
-                xq, xs, xt, xt_s = quant.run_gather_1x128_and_grouped_128x1(x, rows, groups, pow2, backend)
-            y = gemm.run_m_grouped(xq, xs, q, s, groups, backend=backend)
-            del xq, xs
-        else:
-            y = linear_forward(x if rows is None else x.index_select(0, rows), groups, q, s, backend, pow2)
+        y, xt, xt_s = forward_keeping_columns(x, groups, q, s, rows, any(ctx.needs_input_grad[_WEIGHTS:]), backend,
+                                              pow2)
         if out_token_rows is not None:
             y = _permutation.run_combine_rows(y, out_token_rows, backend)
         ctx.backend, ctx.pow2, ctx.groups_meta, ctx.deferral = backend, pow2, groups[1:], deferral
@@ -407,57 +408,84 @@ class _FP8GroupedLinear(torch.autograd.Function):
     @not_twice_differentiable("fp8_grouped_linear")
     def backward(ctx, dy):
         groups, xt, xt_s, qt, st, token_rows, out_rows, *weights = ctx.saved_tensors
-        qt, st = dgrad_weights(ctx, qt, st)
-        dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, qt, st, weights,
+        dx, wgrads = linear_backward(dy, Groups(groups, *ctx.groups_meta), xt, xt_s, (qt, st), weights,
                                      ctx.needs_input_grad[_X], ctx.needs_input_grad[_WEIGHTS:], ctx.backend, ctx.pow2,
-                                     dy_rows=out_rows, deferral=ctx.deferral)
+                                     dy_rows=out_rows, deferral=ctx.deferral,
+                                     transpose_in_backward=ctx.transpose_in_backward)
         if dx is not None and token_rows is not None:
             dx = _permutation.run_combine_rows(dx, token_rows, ctx.backend)
         return (dx,) + (None,) * (_WEIGHTS - 1) + tuple(wgrads)
 
 
-def linear_backward(dy, groups: Groups, xt, xt_s, qt, st, weights, need_dx, needs_dw, backend, pow2, dy_rows=None,
-                    deferral: Optional[WgradDeferral] = None):
-    """(dX or None, the weights' gradients as `_weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
-    what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and the W^T copy
-    (qt, st; None if X wants none). `groups` is the forward's checked description. `dy_rows`: dY's rows are
-    `dy[dy_rows]` (the gradient of a combined output), gathered by the quantizer when it makes both forms.
-    `deferral`: the weight gradient's operands are kept there (no gradient returned) until `flush_wgrad`."""
+def linear_backward(dy, groups: Groups, xt, xt_s, dgrad_w, weights, need_dx, needs_dw, backend, pow2, dy_rows=None,
+                    deferral: Optional[WgradDeferral] = None, transpose_in_backward: bool = False):
+    """(dX or None, the weights' gradients as `weight_grads` routes them) of `Y = grouped(X . W^T)`, from dY and
+    what the forward kept: X's per-group columns (xt, xt_s; None if no weight wants a gradient) and dgrad's weights
+    `dgrad_w` (what `dgrad_operands` saved: the W^T copy (qt, st), or with `transpose_in_backward` W's (q, s), turned
+    into W^T just before the dgrad GEMM; (None, None) if X wants no gradient). `groups` is the forward's checked
+    description. `dy_rows`: dY's rows are `dy[dy_rows]` (the gradient of a combined output), gathered by the quantizer
+    when it makes both forms. `deferral`: the weight gradient's operands are kept there (no gradient returned) until
+    `flush_wgrad`. Memory: the weight gradient runs first and dY's columns are freed before dX is allocated (the
+    backward's peak holds one of them, not both; the two GEMMs are independent, so the bits are the same in either
+    order), and a made W^T lives for the dgrad GEMM only."""
+    dyq, dy_s, dy_cols = quantize_output_grad(dy, groups, need_dx, xt is not None, pow2, backend, dy_rows)
+    del dy  # (freed here where the caller handed it over: megatron_tma.linear_activation)
+    wgrads = [None] * len(weights)
+    if xt is not None:
+        wgrads = weight_grads(weights, needs_dw, dy_cols, [xt, xt_s], groups, backend, deferral)
+    del dy_cols
+    dx = dgrad(dyq, dy_s, dgrad_w, groups, backend, transpose_in_backward) if need_dx else None
+    return dx, wgrads
+
+
+def quantize_output_grad(dy, groups: Groups, need_dx, need_dw, pow2, backend, dy_rows=None):
+    """dY's FP8 forms the backward reads, in one pass when both are wanted: (rows, their scales) for dgrad (None, None
+    if X wants no gradient) and a list [per-group columns, their scales] for wgrad (empty if no weight wants one: a
+    list so that `weight_grads` can drop them). `dy_rows` as `linear_backward`'s."""
     dy = dy.contiguous()
     if misalignment16(dy):  # (autograd may hand a view at any offset; the quantizers read 16-byte vectors)
         dy = dy.clone()
-    dx = None
-    need_dw = xt is not None
     if dy_rows is not None and not (need_dx and need_dw):
         dy = dy.index_select(0, dy_rows)
-    # dY is quantized once: one pass gives both the 1x128 rows (dgrad) and the per-group token columns
-    # (wgrad) when both gradients are wanted, one quantizer otherwise.
+    dyq = dy_s = None
+    cols = []
     if need_dx and need_dw and dy_rows is not None:
-        dyq, dy_s, dyt, dyt_s = quant.run_gather_1x128_and_grouped_128x1(dy, dy_rows, groups, pow2, backend)
+        dyq, dy_s, *cols = quant.run_gather_1x128_and_grouped_128x1(dy, dy_rows, groups, pow2, backend)
     elif need_dx and need_dw:
-        dyq, dy_s, dyt, dyt_s = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
+        dyq, dy_s, *cols = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
     elif need_dx:
         dyq, dy_s = quant.run_1x128(dy, pow2, backend)
     elif need_dw:
-        dyt, dyt_s = quant.run_grouped_128x1(dy, groups, pow2, backend)
-    # The weight gradient first: dY's columns are freed before dX is allocated (the backward's peak holds one of
-    # them, not both; the two GEMMs are independent, so the bits are the same in either order).
-    wgrads = [None] * len(weights)
-    if need_dw and deferral is not None:
-        deferral.add(PendingWgrad(dyt, dyt_s, xt, xt_s, groups), tuple(needs_dw))
-        del dyt, dyt_s  # (the deferral holds them; its combine frees each source once copied)
-        if deferral.due():  # the step's last backward (Megatron's last micro-batch): every pending one, now
-            item, _ = deferral.take()
-            wgrads = _weight_grads(weights, needs_dw, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
-            del item
-        elif getattr(weights[0], "main_grad", None) is not None:
-            wgrads = _main_grad_placeholders(weights, needs_dw)  # DDP's hooks see a gradient per micro-batch
-    elif need_dw:
-        wgrads = _weight_grads(weights, needs_dw, dyt, dyt_s, xt, xt_s, groups, backend)
-        del dyt, dyt_s
-    if need_dx:
-        dx = gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
-    return dx, wgrads
+        cols = list(quant.run_grouped_128x1(dy, groups, pow2, backend))
+    return dyq, dy_s, cols
+
+
+def weight_grads(weights, needs_dw, dy_cols: list, x_cols: list, groups: Groups, backend,
+                 deferral: Optional[WgradDeferral] = None):
+    """The weights' gradients as backward returns them (`_weight_grads`: to `.grad`, or accumulated into
+    `main_grad`), from dY's and X's per-group columns, each handed over as a list [columns, scales] that this empties,
+    so that an operand nobody else holds is freed as soon as the GEMM (or the deferral's combine) has read it.
+    `deferral`: the operands are kept there until its last backward (or `flush_wgrad`)."""
+    pending = PendingWgrad(*dy_cols, *x_cols, groups)
+    dy_cols.clear()
+    x_cols.clear()
+    if deferral is None:
+        return _weight_grads(weights, needs_dw, *pending[:4], groups, backend)
+    deferral.add(pending, tuple(needs_dw))
+    del pending  # (the deferral holds them; its combine frees each source once copied)
+    if deferral.due():  # the step's last backward (Megatron's last micro-batch): every pending one, now
+        item, _ = deferral.take()
+        return _weight_grads(weights, needs_dw, item.dyt, item.dyt_s, item.xt, item.xt_s, item.groups, backend)
+    if getattr(weights[0], "main_grad", None) is not None:
+        return _main_grad_placeholders(weights, needs_dw)  # DDP's hooks see a gradient per micro-batch
+    return [None] * len(weights)
+
+
+def dgrad(dyq, dy_s, dgrad_w, groups: Groups, backend, transpose_in_backward: bool = False):
+    """dX = grouped(dY . W) on dY's 1x128 rows: `dgrad_w` the W^T copy (qt, st), or W's (q, s) transposed here
+    (`transpose_in_backward`), the copy freed with the call."""
+    qt, st = transposed_weights(*dgrad_w) if transpose_in_backward else dgrad_w
+    return gemm.run_m_grouped(dyq, dy_s, qt, st, groups, backend=backend)
 
 
 def flush_wgrad(deferral: WgradDeferral, weights: Sequence[torch.Tensor], backend: str = "auto") -> int:

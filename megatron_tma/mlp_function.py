@@ -5,12 +5,12 @@ Why: the eager layer step is host-bound on fine-grained experts (Qwen3-30B-A3B's
 work of a step is shorter than the host time to enqueue it). Through the public entries (`fp8_grouped_linear` twice,
 `activation_times_probs`) each part runs its own argument rules, group check and weight look-up, and each linear is
 called as a module; here the module's one check of its inputs and one plan (`MlpPlan`: the checked groups, both
-linears' FP8 weight copies, the permutation) stand for all of them, and the same three autograd Functions are applied
-directly: fc1's `_FP8GroupedLinear` (the gather fused into x's quantizer), `_ActivationTimesProbs`, fc2's
-`_FP8GroupedLinear` (the combine; backward gathers dY's rows in its quantizer). So the kernels, their order and
-arguments, the bits, and what each autograd node saves and frees when are the composed call's (tests/
-test_mlp_function.py compares both with `torch.equal`; tests/test_mlp_gpu.py on the kernels). Three nodes, not one:
-a single Function would keep fc2's saved columns, h and the incoming dY alive through fc1's whole backward.
+linears' FP8 weight copies, the permutation) stand for all of them, and two autograd nodes run the kernels: fc1 with
+the activation (megatron_tma.linear_activation: the gather fused into x's quantizer; its backward drops dh's BF16 copy,
+h and x's columns as it goes, which lowers the backward's peak) and fc2's `_FP8GroupedLinear` (the combine; backward
+gathers dY's rows in its quantizer). The kernels, their order and arguments and the bits are the composed call's
+(tests/test_mlp_function.py compares both with `torch.equal`; tests/test_mlp_gpu.py on the kernels). Two nodes, not
+one: a single Function would keep fc2's saved columns and the incoming dY alive through fc1's whole backward.
 
 What the module hands over is checked by the module; this file checks nothing again.
 """
@@ -18,9 +18,9 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .activation import _ActivationTimesProbs
 from .autograd import QuantizedWeights, checked_linear
 from .groups import Groups
+from .linear_activation import linear_activation
 from .wgrad_deferral import WgradDeferral
 
 __all__ = ["MlpPlan", "fp8_expert_mlp"]
@@ -46,8 +46,7 @@ def fp8_expert_mlp(x: torch.Tensor, probs: Optional[torch.Tensor], plan: MlpPlan
                    fc2_weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """The MLP's output (module docstring); `plan` as the module checked it. A linear whose input and weights want no
     gradient (or with grad mode off) runs its forward's kernels alone, as the public entry does."""
-    h = checked_linear(x, plan.groups, plan.fc1, plan.rows, plan.token_rows, None, None, plan.backend, plan.pow2,
-                       plan.deferral1, fc1_weights)
-    z = _ActivationTimesProbs.apply(h, probs, plan.activation, plan.use_kernel)
+    z = linear_activation(x, probs, plan.groups, plan.fc1, plan.rows, plan.token_rows, plan.activation, plan.use_kernel,
+                          plan.backend, plan.pow2, plan.deferral1, fc1_weights)
     return checked_linear(z, plan.groups, plan.fc2, None, None, plan.rows, plan.token_rows, plan.backend, plan.pow2,
                           plan.deferral2, fc2_weights)

@@ -109,14 +109,19 @@ def test_module_options_are_the_same(options):
     _assert_same(_step(one, *inputs), _step(composed, *inputs))
 
 
-def test_permutation_in_experts_is_the_same():
-    tokens, topk = 120, 3
+def _routed_inputs(tokens=120, topk=3):
+    """(permutation, sizes, probs, x, dy) of `tokens` tokens routed top-`topk` over the G experts."""
     gen = torch.Generator().manual_seed(3)
     scores = torch.rand(tokens, G, generator=gen)
     routing = torch.zeros(tokens, G, dtype=torch.bool).scatter_(1, scores.topk(topk, dim=1).indices, True)
     permutation, sizes, probs = permutation_from_routing_map(routing, topk, torch.rand(tokens, G, generator=gen))
     x = torch.randn(tokens, H, generator=gen).bfloat16()
     dy = torch.randn(tokens, H, generator=gen).bfloat16()
+    return permutation, sizes, probs, x, dy
+
+
+def test_permutation_in_experts_is_the_same():
+    permutation, sizes, probs, x, dy = _routed_inputs()
     one, composed = _pair()
     _assert_same(_step(one, x, sizes, probs, dy, permutation=permutation),
                  _step(composed, x, sizes, probs, dy, permutation=permutation))
@@ -173,36 +178,87 @@ def test_a_weight_of_another_dtype_gets_the_composed_paths_error():
         _step(one, x, sizes, probs, dy)
 
 
-def test_each_node_frees_what_it_saved_when_its_backward_ends(monkeypatch):
-    """h and z's FP8 columns are freed once the activation's and fc2's backwards end, before fc1's backward runs, as
-    in the composed call: a single Function for the whole step would keep them (and dY) through fc1's backward."""
+def _alive_at_fc1s_gemms(module, monkeypatch, permute=False):
+    """One forward + backward of `module`, watching which tensors are alive when fc1's backward GEMMs start:
+    {"wgrad": (h, dh's BF16, z's FP8 columns), "dgrad": (dh's BF16, x's FP8 columns)}, True where alive."""
     import weakref
 
-    from megatron_tma import autograd
+    from megatron_tma import activation, gemm, linear_activation, quant
 
-    one, _ = _pair()
     x, sizes, probs, dy = _inputs()
     x, probs = x.requires_grad_(), probs.requires_grad_()
-    seen, alive = [], {}
-    real_m, real_backward = autograd.gemm.run_m_grouped, autograd.linear_backward
+    permutation = None
+    if permute:
+        permutation, sizes, probs, x, dy = _routed_inputs()
+        x, probs = x.requires_grad_(), probs.requires_grad_()
+    refs, alive, k_calls, columns = {}, {}, [], []
+    real_m, real_k = gemm.run_m_grouped, gemm.run_k_grouped
+    real_q = {n: getattr(quant, n) for n in ("run_1x128_and_grouped_128x1", "run_gather_1x128_and_grouped_128x1")}
+    real_act = activation.act_times_probs_backward
 
-    def m_grouped(*args, **kw):  # forward: the first GEMM's output is h
+    def is_alive(*names):
+        return tuple(refs[n]() is not None for n in names)
+
+    def m_grouped(*args, **kw):
+        if k_calls == [1, 1] and "dgrad" not in alive:  # (fc2's, fc1's weight gradients done): fc1's dgrad
+            alive["dgrad"] = is_alive("dh", "xt")
         out = real_m(*args, **kw)
-        seen.append(weakref.ref(out))
+        refs.setdefault("h", weakref.ref(out))  # the forward's first GEMM makes h
         return out
 
-    def linear_backward(dy_, groups, xt, *args, **kw):
-        if "zt" not in alive:
-            alive["zt"] = weakref.ref(xt)  # fc2's backward: its saved columns are z's
-        else:  # fc1's backward: is anything of fc2's or the activation's still alive?
-            alive["at_fc1"] = (alive["zt"]() is not None, seen[0]() is not None)
-        return real_backward(dy_, groups, xt, *args, **kw)
+    def k_grouped(*args, **kw):
+        k_calls.append(1)
+        if len(k_calls) == 2:  # fc1's weight gradient
+            alive["wgrad"] = is_alive("h", "dh", "zt")
+        return real_k(*args, **kw)
 
-    monkeypatch.setattr(autograd.gemm, "run_m_grouped", m_grouped)
-    monkeypatch.setattr(autograd, "linear_backward", linear_backward)
-    out, _ = one(x, sizes, probs)
+    def quantizer(name):
+        def run(*args, **kw):  # the forward's first call quantizes x, its second z (both with their columns)
+            out = real_q[name](*args, **kw)
+            columns.append(weakref.ref(out[2]))
+            refs.update(zip(("xt", "zt"), columns))
+            return out
+        return run
+
+    def act_backward(*args, **kw):
+        dh, dprobs = real_act(*args, **kw)
+        refs["dh"] = weakref.ref(dh)
+        return dh, dprobs
+
+    monkeypatch.setattr(gemm, "run_m_grouped", m_grouped)
+    monkeypatch.setattr(gemm, "run_k_grouped", k_grouped)
+    for name in real_q:
+        monkeypatch.setattr(quant, name, quantizer(name))
+    monkeypatch.setattr(activation, "act_times_probs_backward", act_backward)
+    monkeypatch.setattr(linear_activation, "act_times_probs_backward", act_backward)
+    out, _ = module(x, sizes, probs, permutation)
     out.backward(dy)
-    assert alive["at_fc1"] == (False, False)
+    return alive
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_fc1s_backward_frees_dh_h_and_x_columns_before_its_gemms(monkeypatch, permute):
+    """The planned step's fc1 + activation node (megatron_tma.linear_activation): at fc1's weight-gradient GEMM, h,
+    dh's BF16 copy (quantized already) and fc2's saved z columns are gone; at fc1's dgrad GEMM x's columns are gone
+    too. The composed call's two nodes keep dh (autograd hands it to fc1's node) and x's columns (saved) through
+    both GEMMs: what the planned step's lower peak comes from. Same bits: test_same_bits_as_the_composed_functions."""
+    one, composed = _pair()
+    assert _alive_at_fc1s_gemms(one, monkeypatch, permute) == {"wgrad": (False, False, False),
+                                                                "dgrad": (False, False)}
+    monkeypatch.undo()
+    assert _alive_at_fc1s_gemms(composed, monkeypatch, permute) == {"wgrad": (False, True, False),
+                                                                     "dgrad": (True, True)}
+
+
+def test_a_second_backward_through_the_planned_step_is_refused():
+    """The fc1 + activation node frees h and x's columns in its backward: backward through it again (retain_graph)
+    is refused with a message, not an AttributeError or a wrong gradient."""
+    one, _ = _pair()
+    x, sizes, probs, dy = _inputs()
+    out, _ = one(x.requires_grad_(), sizes, probs)
+    out.backward(dy, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated through once"):
+        out.backward(dy)
 
 
 def test_twice_differentiating_is_refused():
@@ -229,3 +285,25 @@ def test_no_tokens_is_the_same(permute):
                  _step(composed, x, sizes, probs, dy, permutation=permutation))
     _assert_same(_step(one, x, sizes, probs, dy, permutation=permutation, main_grad=torch.float32),
                  _step(composed, x, sizes, probs, dy, permutation=permutation, main_grad=torch.float32))
+
+
+def test_under_saved_tensor_hooks_the_hooks_see_h_and_x_columns(monkeypatch):
+    """Under `saved_tensors_hooks` (activation offloading) the planned step saves h and x's FP8 columns the usual way,
+    so the hooks see them (the fc1 + activation node would hold them out of the hooks' sight), and the bits stay."""
+    from megatron_tma import gemm
+
+    one, composed = _pair()
+    x, sizes, probs, dy = _inputs()
+    h_seen, saved = [], set()
+    real_m = gemm.run_m_grouped
+    monkeypatch.setattr(gemm, "run_m_grouped", lambda *a, **k: h_seen.append(real_m(*a, **k)) or h_seen[-1])
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        planned = _step(one, x, sizes, probs, dy)
+    assert h_seen[0].untyped_storage().data_ptr() in saved  # h, the forward's first GEMM's output
+    monkeypatch.undo()
+    _assert_same(planned, _step(composed, x, sizes, probs, dy))
