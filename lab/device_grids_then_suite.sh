@@ -9,9 +9,11 @@ source lab/device_call.sh
 bench_layer release 120 --release-bf16-weights
 bench_layer cached-wt 90 --release-bf16-weights --cached-weights --transpose-in-backward
 bench_layer cached 90 --release-bf16-weights --cached-weights
-for row in "qwen3_30b_a3b --G 32 --M 32768" "mixtral --G 8 --M 32768"; do
-  [ "$(left)" -gt 250 ] && timeout 40 python3 lab/probe_layer_memory.py --model $row --release-bf16-weights \
+for row in "mixtral --G 8 --M 32768" "qwen3_30b_a3b --G 32 --M 32768"; do
+  [ "$(left)" -gt 200 ] && timeout 40 python3 lab/probe_layer_memory.py --model $row --release-bf16-weights \
     --handed-inputs >> "$OUT/mem.log" 2>&1
 done; stamp "memory probe"; grep -E "step peak" "$OUT/mem.log"
-timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -m "not recipe_run" tests \
+# (the files the change touches first: a short call still runs them; pytest collects each file once)
+timeout $(( $(left) - 8 )) python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m "not recipe_run" \
+  tests/test_mlp_gpu.py tests/test_released_weights.py tests/test_transposed_weight.py tests/test_mcore_gpu.py tests \
   > "$OUT/suite.log" 2>&1; stamp "suite rc=$?"; tail -15 "$OUT/suite.log" | cut -c1-300
