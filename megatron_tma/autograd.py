@@ -429,7 +429,6 @@ def linear_backward(dy, groups: Groups, xt, xt_s, dgrad_w, weights, need_dx, nee
     backward's peak holds one of them, not both; the two GEMMs are independent, so the bits are the same in either
     order), and a made W^T lives for the dgrad GEMM only."""
     dyq, dy_s, dy_cols = quantize_output_grad(dy, groups, need_dx, xt is not None, pow2, backend, dy_rows)
-    del dy  # (freed here where the caller handed it over: megatron_tma.linear_activation)
     wgrads = [None] * len(weights)
     if xt is not None:
         wgrads = weight_grads(weights, needs_dw, dy_cols, [xt, xt_s], groups, backend, deferral)
