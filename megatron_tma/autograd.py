@@ -446,16 +446,20 @@ def quantize_output_grad(dy, groups: Groups, need_dx, need_dw, pow2, backend, dy
         dy = dy.clone()
     if dy_rows is not None and not (need_dx and need_dw):
         dy = dy.index_select(0, dy_rows)
+    # (lists built element by element: torch.compile's tracer of torch 2.11 takes a starred target for a tuple)
     dyq = dy_s = None
     cols = []
     if need_dx and need_dw and dy_rows is not None:
-        dyq, dy_s, *cols = quant.run_gather_1x128_and_grouped_128x1(dy, dy_rows, groups, pow2, backend)
+        dyq, dy_s, dyt, dyt_s = quant.run_gather_1x128_and_grouped_128x1(dy, dy_rows, groups, pow2, backend)
+        cols = [dyt, dyt_s]
     elif need_dx and need_dw:
-        dyq, dy_s, *cols = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
+        dyq, dy_s, dyt, dyt_s = quant.run_1x128_and_grouped_128x1(dy, groups, pow2, backend)
+        cols = [dyt, dyt_s]
     elif need_dx:
         dyq, dy_s = quant.run_1x128(dy, pow2, backend)
     elif need_dw:
-        cols = list(quant.run_grouped_128x1(dy, groups, pow2, backend))
+        dyt, dyt_s = quant.run_grouped_128x1(dy, groups, pow2, backend)
+        cols = [dyt, dyt_s]
     return dyq, dy_s, cols
 
 

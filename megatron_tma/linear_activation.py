@@ -8,16 +8,20 @@ returns, beside the FP8 rows and columns quantized from it; and x's FP8 columns,
 through the dgrad GEMM. Here the backward owns both: dh is quantized and dropped before the weight-gradient GEMM
 allocates its result, h (the activation's input, an intermediate of this node) is dropped once dh exists, and x's
 columns once the weight gradient has read them. What autograd keeps instead is the incoming dz (`[T, F]`, 2F bytes a
-row) until the node returns. Per routed row at fc1's GEMMs: 6F + H bytes during the weight gradient (dz, dh's rows and
-columns, x's columns) and 4F + 2H during the dgrad, against 8F + H and 6F + 3H as two nodes (plus the weight
-gradients, the same either way). The activation's backward itself (dz, h, dh and x's columns alive) is unchanged.
+row) until the node returns. Per routed row at fc1's GEMMs, SwiGLU / GeGLU (h and dh `[T, 2F]`): 6F + H bytes during
+the weight gradient (dz, dh's rows and columns, x's columns) and 4F + 2H during the dgrad, against 8F + H and
+6F + 3H as two nodes (plus the weight gradients, the same either way); for the one-input activations (h and dh
+`[T, F]`) the weight-gradient phase holds what two nodes would and the dgrad phase H less. The activation's backward
+itself (dz, h, dh and x's columns alive) is unchanged. A backward that wants the probs' gradient alone runs no fc1
+GEMM, as with two nodes, where the engine never reached fc1's.
 
 The kernels, their order and their arguments are those of the two nodes, so are the bits (tests/
 test_mlp_function.py compares with `torch.equal`). h and x's columns are held on the node, not through
 `save_for_backward` (which keeps them until the node is released), so saved-tensor hooks would not see them: under
 active hooks (`torch.autograd.graph.saved_tensors_hooks`: activation offloading, a user's packing) the two nodes run
 instead, everything saved the usual way. A backward through the node runs once: a second one (`retain_graph=True`)
-raises.
+raises (one backward captured with `retain_graph=True`, as Megatron's `cuda_graph_retain_backward_graph` does, is
+one backward).
 """
 import torch
 
@@ -56,13 +60,15 @@ class _FP8GroupedLinearActivation(torch.autograd.Function):
     @staticmethod
     @not_twice_differentiable("the FP8 expert MLP (fc1 + activation)")
     def backward(ctx, dz):
-        if not ctx.held:
+        if not ctx.held or ctx.held[0] is None:
             raise RuntimeError("the FP8 expert MLP's fc1 + activation node frees h and x's FP8 columns during its "
                                "backward: it can be backpropagated through once (no retain_graph=True)")
         probs, groups, qt, st, token_rows, *weights = ctx.saved_tensors
         groups = Groups(groups, *ctx.groups_meta)
-        need_dx, need_dprobs = ctx.needs_input_grad[_X], ctx.needs_input_grad[_PROBS]
-        need_dh = need_dx or ctx.need_dw
+        need_dx, need_dprobs, need_dw = ctx.needs_input_grad[_X], ctx.needs_input_grad[_PROBS], ctx.need_dw
+        if not _fc1_runs(ctx, probs is not None):  # (a backward for the probs alone: as two nodes, fc1's never ran)
+            need_dx = need_dw = False
+        need_dh = need_dx or need_dw
         h = ctx.held[0]
         ctx.held[0] = None
         dh, dprobs = act_times_probs_backward(dz, h, probs, ctx.activation, ctx.use_kernel, need_dh, need_dprobs)
@@ -70,9 +76,9 @@ class _FP8GroupedLinearActivation(torch.autograd.Function):
         dx = None
         wgrads = [None] * len(weights)
         if need_dh:
-            dhq, dh_s, dh_cols = quantize_output_grad(dh, groups, need_dx, ctx.need_dw, ctx.pow2, ctx.backend)
+            dhq, dh_s, dh_cols = quantize_output_grad(dh, groups, need_dx, need_dw, ctx.pow2, ctx.backend)
             del dh  # before the weight gradient allocates its result
-            if ctx.need_dw:
+            if need_dw:
                 x_cols = ctx.held[1:]  # (handed over: freed once read)
                 del ctx.held[1:]
                 wgrads = weight_grads(weights, ctx.needs_input_grad[_WEIGHTS:], dh_cols, x_cols, groups, ctx.backend,
@@ -99,6 +105,19 @@ def linear_activation(x, probs, groups: Groups, wq, rows, token_rows, activation
         return _ActivationTimesProbs.apply(h, probs, activation, use_kernel)
     return _FP8GroupedLinearActivation.apply(x, probs, groups, wq.q, wq.s, wq.qt, wq.st, rows, token_rows, activation,
                                              use_kernel, backend, pow2, deferral, *weights)
+
+
+def _fc1_runs(ctx, has_probs: bool) -> bool:
+    """Whether this backward wants anything of fc1 (x's or a weight's gradient): as two nodes, the engine would not
+    run fc1's at all for a backward that asks for the probs' gradient alone (`torch.autograd.grad(out, [probs])`),
+    and a weight gradient made then would land in `main_grad` or a wgrad deferral. The edges are the forward's
+    tensor inputs in order, x's first, then the probs' when given; only x's, the probs' and the weights' have a
+    node (the FP8 copies and the permutation's indices want no gradient)."""
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_run is None:
+        return True
+    edges = ctx.next_functions
+    return any(fn is not None and will_run(fn) for fn, _ in (edges[:1] + edges[2:] if has_probs else edges))
 
 
 def _saved_tensor_hooks_active() -> bool:

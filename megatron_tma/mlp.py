@@ -29,9 +29,10 @@ checkpoints stay interchangeable between the layouts and with `TEGroupedMLP`. Bo
 (`init_method` sees `[N, K]` tensors), so the same seed gives the same weights.
 
 The step is planned once per call (megatron_tma.mlp_function): this module's one check of its inputs stands for the
-public entries' own (`fp8_grouped_linear` twice, `activation_times_probs`), and their three autograd Functions are
-applied directly: the same kernels, bits and memory lifetimes, less host time per step (the eager step on
-fine-grained experts is host-bound). The public entries run instead under torch.compile, with
+public entries' own (`fp8_grouped_linear` twice, `activation_times_probs`), and two autograd nodes run their kernels
+(fc1 with the activation, whose backward frees dh, h and x's columns as it goes: megatron_tma.linear_activation;
+fc2): the same kernels and bits, a lower backward peak, less host time per step (the eager step on fine-grained
+experts is host-bound). The public entries run instead under torch.compile, with
 `recompute_activation`, when a hook is registered on a linear (calling the linears as modules runs it: Megatron's
 parameter all-gather waits in a forward pre-hook), or with `planned_step = False`.
 
@@ -520,8 +521,8 @@ class GroupedFP8MLP(_GroupedMLP):
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {type(recompute_activation).__name__}")
         self.pad_to, self.recompute_activation = pad_to, recompute_activation
-        # True: the step is planned once and applies the autograd Functions directly (megatron_tma.mlp_function: the
-        # same kernels, bits and memory, the checks once); False calls the linears and the activation through their
+        # True: the step is planned once and runs two autograd nodes (megatron_tma.mlp_function: the same kernels and
+        # bits, the checks once, a lower backward peak); False calls the linears and the activation through their
         # public entries (A/B runs, tests)
         self.planned_step = True
 

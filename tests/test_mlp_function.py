@@ -1,7 +1,7 @@
-"""The expert MLP's planned step (megatron_tma.mlp_function: the module's checks once, the three autograd Functions
-applied directly) against the composed public entries (`GroupedFP8MLP.planned_step = False`): the same bits for the
-output, the input, probs and weight gradients and `main_grad` accumulation, over the module's options; the same
-memory lifetimes (each node frees what it saved when its backward ends); and which calls take the composed path. On the CPU the
+"""The expert MLP's planned step (megatron_tma.mlp_function: the module's checks once, fc1 + activation as one node,
+fc2) against the composed public entries (`GroupedFP8MLP.planned_step = False`): the same bits for the output, the
+input, probs and weight gradients and `main_grad` accumulation, over the module's options; what fc1's backward frees
+before its GEMMs (less than the composed call holds); and which calls take the composed path. On the CPU the
 ops' reference kernels run (the device's kernel, as on a GPU); tests/test_mlp_gpu.py runs the same comparison on the
 CUDA kernels. Each comparison is `torch.equal` (NaN-free inputs)."""
 import pytest
@@ -290,7 +290,7 @@ def test_no_tokens_is_the_same(permute):
 def test_under_saved_tensor_hooks_the_hooks_see_h_and_x_columns(monkeypatch):
     """Under `saved_tensors_hooks` (activation offloading) the planned step saves h and x's FP8 columns the usual way,
     so the hooks see them (the fc1 + activation node would hold them out of the hooks' sight), and the bits stay."""
-    from megatron_tma import gemm
+    from megatron_tma import gemm, quant
 
     one, composed = _pair()
     x, sizes, probs, dy = _inputs()
@@ -302,8 +302,33 @@ def test_under_saved_tensor_hooks_the_hooks_see_h_and_x_columns(monkeypatch):
         saved.add(t.untyped_storage().data_ptr())
         return t
 
+    columns = []
+    real_q = quant.run_1x128_and_grouped_128x1
+    monkeypatch.setattr(quant, "run_1x128_and_grouped_128x1", lambda *a, **k: columns.append(real_q(*a, **k))
+                        or columns[-1])
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         planned = _step(one, x, sizes, probs, dy)
     assert h_seen[0].untyped_storage().data_ptr() in saved  # h, the forward's first GEMM's output
+    assert columns[0][2].untyped_storage().data_ptr() in saved  # x's FP8 columns (its quantizer's first call)
     monkeypatch.undo()
     _assert_same(planned, _step(composed, x, sizes, probs, dy))
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_backward_for_the_probs_alone_leaves_fc1_alone(defer):
+    """`torch.autograd.grad(out, [probs])` never reached fc1's node in the composed call; the fc1 + activation node
+    must not run fc1's GEMMs then either: the probs' gradient the same bits, fc1's `main_grad` untouched and nothing
+    left in its wgrad deferral (fails if the node runs fc1's backward whenever it runs)."""
+    one, composed = _pair(defer_wgrad=defer)
+    x, sizes, probs, dy = _inputs()
+    grads = []
+    for module in (one, composed):
+        for w in module.parameters():
+            w.main_grad = torch.full(w.shape, 0.5)
+        p = probs.clone().requires_grad_()
+        out, _ = module(x.clone().requires_grad_(), sizes, p)
+        grads.append(torch.autograd.grad(out, [p], dy)[0])
+        assert all(torch.equal(w.main_grad, torch.full(w.shape, 0.5)) for w in module.linear_fc1.parameters())
+        if defer:
+            assert len(module.linear_fc1.wgrad_deferral) == 0
+    assert torch.equal(*grads)
