@@ -102,3 +102,36 @@ def test_a_cache_entry_is_per_setting(gen):
     cache = FP8WeightCache()
     assert cache.get((w,), backend="reference", keep_transposed=False).qt is None
     assert cache.get((w,), backend="reference").qt is not None
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_the_backward_makes_w_t_after_the_weight_gradient_and_frees_it_with_the_dgrad(gen, monkeypatch, planned):
+    """Each linear's backward transposes W's copy just before its dgrad GEMM (after the weight gradient), so the
+    made W^T never shares memory with the weight gradient's result, and is freed once the dgrad is done: the order of
+    fc2's and fc1's GEMMs and transposes is wgrad, transpose, dgrad, each, and no transposed copy outlives the
+    backward. (Fails on a backward that transposes first.)"""
+    import weakref
+
+    from megatron_tma import autograd, gemm
+
+    _, transposing = _pair()
+    transposing.planned_step = planned
+    x = torch.randn(300, H, generator=gen).bfloat16()
+    sizes, p = torch.tensor([100, 0, 150, 50]), torch.rand(300, generator=gen)
+    dy = torch.randn(300, H, generator=gen).bfloat16()
+    events, made = [], []
+    real_t, real_k, real_m = autograd.transposed_weights, gemm.run_k_grouped, gemm.run_m_grouped
+
+    def transpose(*a):
+        events.append("transpose")
+        out = real_t(*a)
+        made.extend(weakref.ref(t) for t in out)
+        return out
+
+    monkeypatch.setattr(autograd, "transposed_weights", transpose)
+    monkeypatch.setattr(gemm, "run_k_grouped", lambda *a, **k: events.append("wgrad") or real_k(*a, **k))
+    monkeypatch.setattr(gemm, "run_m_grouped", lambda *a, **k: events.append("m_grouped") or real_m(*a, **k))
+    _step(transposing, x, sizes, p, dy)
+    backward = events[events.index("wgrad"):]
+    assert backward == ["wgrad", "transpose", "m_grouped"] * 2
+    assert made and all(r() is None for r in made)
