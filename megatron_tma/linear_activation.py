@@ -116,8 +116,15 @@ def _fc1_runs(ctx, has_probs: bool) -> bool:
     will_run = getattr(torch._C, "_will_engine_execute_node", None)
     if will_run is None:
         return True
+
+    def wanted(fn):
+        try:
+            return will_run(fn)
+        except RuntimeError:  # a leaf among torch.autograd.grad's inputs: its gradient is captured, so wanted
+            return True
+
     edges = ctx.next_functions
-    return any(fn is not None and will_run(fn) for fn, _ in (edges[:1] + edges[2:] if has_probs else edges))
+    return any(fn is not None and wanted(fn) for fn, _ in (edges[:1] + edges[2:] if has_probs else edges))
 
 
 def _saved_tensor_hooks_active() -> bool:

@@ -314,6 +314,21 @@ def test_under_saved_tensor_hooks_the_hooks_see_h_and_x_columns(monkeypatch):
     _assert_same(planned, _step(composed, x, sizes, probs, dy))
 
 
+def test_autograd_grad_for_a_leaf_x_or_the_weights_runs_fc1():
+    """`torch.autograd.grad` for a leaf x, or for the weights, runs fc1's GEMMs: the same gradients as the composed
+    call (the engine's query refuses leaves among autograd.grad's inputs; those are wanted)."""
+    one, composed = _pair()
+    x, sizes, probs, dy = _inputs()
+    for which in ("x", "weights"):
+        grads = []
+        for module in (one, composed):
+            leaf, p = x.clone().requires_grad_(), probs.clone().requires_grad_()
+            out, _ = module(leaf, sizes, p)
+            wanted = [leaf] if which == "x" else list(module.linear_fc1.parameters())
+            grads.append(torch.autograd.grad(out, wanted, dy))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_a_backward_for_the_probs_alone_leaves_fc1_alone(defer):
     """`torch.autograd.grad(out, [probs])` never reached fc1's node in the composed call; the fc1 + activation node
