@@ -432,7 +432,6 @@ def linear_backward(dy, groups: Groups, xt, xt_s, dgrad_w, weights, need_dx, nee
     wgrads = [None] * len(weights)
     if xt is not None:
         wgrads = weight_grads(weights, needs_dw, dy_cols, [xt, xt_s], groups, backend, deferral)
-    del dy_cols
     dx = dgrad(dyq, dy_s, dgrad_w, groups, backend, transpose_in_backward) if need_dx else None
     return dx, wgrads
 
@@ -646,7 +645,7 @@ def checked_linear(x, groups: Groups, wq: QuantizedWeights, rows, token_rows, ou
     """`fp8_grouped_linear` on arguments it (or a caller with the same rules, megatron_tma.mlp_function) checked:
     the Function where a gradient is wanted, else the forward's kernels alone (inference: nothing to save)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-        y = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2)
+        y = forward_keeping_columns(x, groups, wq.q, wq.s, rows, False, backend, pow2)[0]
         return y if out_token_rows is None else _permutation.run_combine_rows(y, out_token_rows, backend)
     return _FP8GroupedLinear.apply(x, groups, wq.q, wq.s, wq.qt, wq.st, rows, token_rows, out_rows, out_token_rows,
                                    backend, pow2, deferral, *weights)

@@ -28,8 +28,8 @@ import torch
 from . import permutation as _permutation
 from ._validate import not_twice_differentiable
 from .activation import _ActivationTimesProbs, act_times_probs_backward, act_times_probs_forward
-from .autograd import (checked_linear, dgrad, dgrad_operands, forward_keeping_columns, linear_forward,
-                       quantize_output_grad, weight_grads)
+from .autograd import (checked_linear, dgrad, dgrad_operands, forward_keeping_columns, quantize_output_grad,
+                       weight_grads)
 from .groups import Groups
 
 __all__ = ["linear_activation"]
@@ -98,7 +98,7 @@ def linear_activation(x, probs, groups: Groups, wq, rows, token_rows, activation
     wants_grad = (x.requires_grad or (probs is not None and probs.requires_grad)
                   or any(w.requires_grad for w in weights))
     if not torch.is_grad_enabled() or not wants_grad:
-        h = linear_forward(x if rows is None else x.index_select(0, rows), groups, wq.q, wq.s, backend, pow2)
+        h = forward_keeping_columns(x, groups, wq.q, wq.s, rows, False, backend, pow2)[0]
         return act_times_probs_forward(h, probs, activation, use_kernel)
     if _saved_tensor_hooks_active():  # (the two nodes: the hooks see every tensor the backward reads)
         h = checked_linear(x, groups, wq, rows, token_rows, None, None, backend, pow2, deferral, weights)
